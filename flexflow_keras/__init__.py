@@ -1,0 +1,24 @@
+"""Keras 3 whose `compile()` searches a per-operator parallel strategy.
+
+Change `import keras` to `import flexflow_keras as keras` (or import
+`layers`, `Model`, ... from here): every public Keras name means what it
+means in Keras; `Model` and `Sequential` add the FlexFlow search at
+`compile()` and run `fit()` under the chosen strategy on DTensor.
+"""
+
+from flexflow_keras import settings as _settings
+from flexflow_keras import devices as _devices
+
+# Devices must exist before TensorFlow initialises, i.e. at import.
+_devices.setup_devices(_settings.resolve().cpu_devices)
+
+from flexflow_keras import _namespace  # noqa: E402
+from flexflow_keras import models  # noqa: E402
+from flexflow_keras.models import Model, Sequential  # noqa: E402
+from flexflow_keras.strategy import ParallelConfig, Strategy  # noqa: E402
+
+_namespace.mirror(
+    globals(), __name__, own={"Model", "Sequential", "models"}
+)
+
+__version__ = "0.1.0"

@@ -1,0 +1,163 @@
+"""Search and device settings: compile kwargs > command line > env > default.
+
+The only module that reads `sys.argv` and `os.environ`. It is named
+`settings` because `flexflow_keras.config` must stay Keras's own
+`keras.config`.
+
+Our flags are taken out of `sys.argv` once, at import, so that a script's
+own `argparse` (which rejects unknown flags) or absl flags never see them;
+the script's own flags are left untouched and in order.
+"""
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping, MutableSequence
+from typing import Any
+
+ENV_PREFIX = "FLEXFLOW_KERAS_"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Flag:
+    field: str
+    names: tuple[str, ...]
+    parse: Any
+
+
+def _int(value: str) -> int:
+    return int(value)
+
+
+_FLAGS = (
+    _Flag("search_budget", ("--search-budget", "--budget"), _int),
+    _Flag("search_alpha", ("--search-alpha", "--alpha"), float),
+    _Flag("search_seed", ("--search-seed", "--seed"), _int),
+    _Flag("export_strategy", ("--export-strategy", "--export"), str),
+    _Flag("import_strategy", ("--import-strategy", "--import"), str),
+    _Flag("machine", ("--machine",), str),
+    _Flag("cpu_devices", ("--cpu-devices",), _int),
+)
+_BY_NAME = {name: flag for flag in _FLAGS for name in flag.names}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Resolved settings of one `compile()`.
+
+    Args:
+        search_budget: MCMC iterations; 0 keeps data parallelism.
+        search_alpha: MCMC temperature factor (FlexFlow's alpha, per ms).
+        search_seed: Seed of the search; None draws one.
+        export_strategy: Path to write the chosen strategy to.
+        import_strategy: Path of a strategy to use instead of searching.
+        machine: Preset name or JSON spec path of the machine to plan
+            for; None means the attached devices.
+        cpu_devices: Virtual CPU devices to create at import.
+    """
+
+    search_budget: int = 1000
+    search_alpha: float = 0.05
+    search_seed: int | None = None
+    export_strategy: str | None = None
+    import_strategy: str | None = None
+    machine: str | None = None
+    cpu_devices: int | None = None
+
+    def __post_init__(self):
+        if self.search_budget < 0:
+            raise ValueError(
+                "`search_budget` must be >= 0 (0 keeps data parallelism). "
+                f"Received: search_budget={self.search_budget}"
+            )
+        if self.search_alpha < 0:
+            raise ValueError(
+                "`search_alpha` must be >= 0. "
+                f"Received: search_alpha={self.search_alpha}"
+            )
+        if self.cpu_devices is not None and self.cpu_devices < 1:
+            raise ValueError(
+                "`--cpu-devices` must be a positive integer. "
+                f"Received: cpu_devices={self.cpu_devices}"
+            )
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(Settings))
+
+
+def take_flags(argv: MutableSequence[str]) -> dict[str, Any]:
+    """Removes our flags from `argv` in place; returns their values.
+
+    Accepts `--flag value` and `--flag=value`. Everything else stays.
+    """
+    found: dict[str, Any] = {}
+    kept = [argv[0]] if argv else []
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, inline = arg.partition("=")
+        flag = _BY_NAME.get(name)
+        if flag is None:
+            kept.append(arg)
+            i += 1
+            continue
+        if eq:
+            raw, i = inline, i + 1
+        elif i + 1 < len(argv):
+            raw, i = argv[i + 1], i + 2
+        else:
+            raise ValueError(
+                f"Flag `{name}` needs a value. Received: {' '.join(argv)}"
+            )
+        found[flag.field] = _parse(flag, name, raw)
+    argv[:] = kept
+    return found
+
+
+def _parse(flag: _Flag, source: str, raw: str) -> Any:
+    try:
+        return flag.parse(raw)
+    except ValueError:
+        raise ValueError(
+            f"`{source}` expects a {flag.parse.__name__.strip('_')} value. "
+            f"Received: {raw!r}"
+        ) from None
+
+
+def from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Settings given as `FLEXFLOW_KERAS_<FIELD>` variables."""
+    found = {}
+    for flag in _FLAGS:
+        key = ENV_PREFIX + flag.field.upper()
+        if environ.get(key, "") != "":
+            found[flag.field] = _parse(flag, key, environ[key])
+    return found
+
+
+# Taken once at import, before the user's script parses its own flags.
+_COMMAND_LINE: Mapping[str, Any] = dict(take_flags(sys.argv))
+
+
+def resolve(
+    kwargs: Mapping[str, Any] | None = None,
+    command_line: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Settings with precedence kwargs > command line > environment.
+
+    Args:
+        kwargs: Values passed to `compile()`; None entries are unset.
+        command_line: Parsed flags; defaults to those taken at import.
+        environ: Environment; defaults to `os.environ`.
+    """
+    merged = from_environment(os.environ if environ is None else environ)
+    merged.update(_COMMAND_LINE if command_line is None else command_line)
+    for key, value in (kwargs or {}).items():
+        if key not in FIELDS:
+            raise TypeError(
+                f"Unknown flexflow_keras setting `{key}`. "
+                f"Expected one of: {', '.join(FIELDS)}"
+            )
+        if value is not None:
+            merged[key] = value
+    return Settings(**merged)

@@ -1,0 +1,28 @@
+"""flexflow_keras: Keras 3 with FlexFlow's simulator-guided parallelization."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="flexflow_keras",
+    version="0.1.0",
+    description=(
+        "Change one import in a Keras 3 script: compile() searches a "
+        "per-operator parallel strategy (FlexFlow's SOAP space, MCMC over an "
+        "execution simulator) and fit() runs it on TensorFlow DTensor."
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["flexflow_keras", "flexflow_keras.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "tensorflow>=2.21,<2.22",
+        "keras>=3.15,<3.16",
+        "numpy>=1.26,<3",
+        "protobuf>=4.25",
+        "absl-py>=2.1",
+    ],
+    extras_require={"test": ["pytest>=8"]},
+    entry_points={
+        "console_scripts": ["flexflow-keras=flexflow_keras.__main__:main"]
+    },
+)
