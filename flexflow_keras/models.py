@@ -4,6 +4,8 @@ Only wires the stages together (graph -> search -> runtime); each stage
 lives in its own module.
 """
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -24,7 +26,31 @@ class Sequential(keras.Sequential):
 # reads what flexflow_keras saves; `load_model` below maps them back.
 api_export.REGISTERED_OBJS_TO_NAMES[Model] = "keras.Model"
 api_export.REGISTERED_OBJS_TO_NAMES[Sequential] = "keras.Sequential"
-_OWN_CLASSES = {"Model": Model, "Functional": Model, "Sequential": Sequential}
+_OWN_CLASSES = {
+    "keras.Model": Model,
+    "keras.Functional": Model,
+    "keras.Sequential": Sequential,
+}
+
+
+@contextlib.contextmanager
+def _keras_names_load_as_ours() -> Iterator[None]:
+    """While loading, Keras's model class names resolve to our classes.
+
+    Why: saved configs name `keras.Model`/`keras.Functional` with no
+    registered name, so `custom_objects` is never consulted for them.
+    """
+    table = api_export.REGISTERED_NAMES_TO_OBJS
+    saved = {name: table.get(name) for name in _OWN_CLASSES}
+    table.update(_OWN_CLASSES)
+    try:
+        yield
+    finally:
+        for name, obj in saved.items():
+            if obj is None:
+                table.pop(name, None)
+            else:
+                table[name] = obj
 
 
 def load_model(
@@ -33,9 +59,17 @@ def load_model(
     compile: bool = True,
     safe_mode: bool = True,
 ) -> keras.Model:
-    """`keras.models.load_model`, returning flexflow_keras models."""
-    objects = dict(_OWN_CLASSES)
+    """`keras.models.load_model`, returning flexflow_keras models.
+
+    Reads files saved by plain Keras too.
+    """
+    # Plain Keras saves functional models as registered name `Functional`.
+    objects = {"Functional": Model}
     objects.update(custom_objects or {})
-    return keras.models.load_model(
-        filepath, custom_objects=objects, compile=compile, safe_mode=safe_mode
-    )
+    with _keras_names_load_as_ours():
+        return keras.models.load_model(
+            filepath,
+            custom_objects=objects,
+            compile=compile,
+            safe_mode=safe_mode,
+        )
