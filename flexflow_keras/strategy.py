@@ -56,11 +56,64 @@ class ParallelConfig:
 
 
 def data_parallel_config(op: Op, num_devices: int) -> ParallelConfig:
-    """Batch split over devices 0..n-1, the search's starting point."""
+    """Batch split over devices 0..n-1, the search's starting point.
+
+    An op whose batch dim may not be split (or does not divide) runs
+    whole on device 0, the only valid config without a sample split.
+    """
     batch = op.output_shape[0] if op.rank else 1
-    degree = num_devices if op.rank and batch % num_devices == 0 else 1
+    splittable = 0 in op.partitionable and batch % num_devices == 0
+    degree = num_devices if splittable else 1
     dims = (degree,) + (1,) * max(op.rank - 1, 0)
-    return ParallelConfig(dims or (1,), tuple(range(degree)))
+    return ParallelConfig(dims, tuple(range(degree)))
+
+
+def validate_config(
+    op: Op, config: ParallelConfig, num_devices: int
+) -> None:
+    """Raises a ValueError naming `op` when `config` cannot run it.
+
+    Rules: one degree per output dim; only dims the op may partition are
+    split; every degree divides its dim; device ids exist on a machine of
+    `num_devices` devices (distinctness and `prod(dims) ==
+    len(device_ids)` are checked by `ParallelConfig` itself).
+    """
+    rank = max(op.rank, 1)
+    if len(config.dims) != rank:
+        raise ValueError(
+            f"Op '{op.name}' has a rank-{op.rank} output "
+            f"{op.output_shape}, so `dims` needs {rank} entries. "
+            f"Received: dims={config.dims}. Use 1 for dims that are "
+            "not split."
+        )
+    shape = op.output_shape or (1,)
+    for dim, degree in enumerate(config.dims):
+        if degree == 1:
+            continue
+        if dim not in op.partitionable:
+            allowed = ", ".join(
+                f"{d} ({kind})"
+                for d, kind in sorted(op.partitionable.items())
+            )
+            raise ValueError(
+                f"Op '{op.name}' ({op.type}) cannot split output dim {dim}. "
+                f"Received: dims={config.dims}. Dims it may split: "
+                f"{allowed or 'none'}; use 1 for the others."
+            )
+        if shape[dim] % degree:
+            raise ValueError(
+                f"Op '{op.name}' output dim {dim} has size {shape[dim]}, "
+                f"which {degree} parts cannot divide evenly. Received: "
+                f"dims={config.dims}. Use a degree that divides "
+                f"{shape[dim]}."
+            )
+    bad = [i for i in config.device_ids if not 0 <= i < num_devices]
+    if bad:
+        raise ValueError(
+            f"Op '{op.name}' names devices the machine lacks. Received: "
+            f"device_ids={config.device_ids}; the machine has "
+            f"{num_devices} devices, ids 0..{num_devices - 1}."
+        )
 
 
 class Strategy(Mapping):
@@ -89,6 +142,32 @@ class Strategy(Mapping):
         return cls(
             {op.name: data_parallel_config(op, num_devices) for op in graph}
         )
+
+    def validate(self, graph: OpGraph, num_devices: int) -> None:
+        """Raises a ValueError unless this strategy can run `graph`.
+
+        Every op of the graph needs a config, no name may be foreign to
+        the graph, and each config must pass `validate_config`.
+
+        Args:
+            graph: The model's `OpGraph`.
+            num_devices: Devices of the machine (ids 0..n-1).
+        """
+        unknown = [name for name in self._configs if name not in graph]
+        if unknown:
+            raise ValueError(
+                f"The strategy names ops the model lacks: {unknown}. Is it "
+                f"for another model? Model ops: {[op.name for op in graph]}"
+            )
+        missing = [op.name for op in graph if op.name not in self._configs]
+        if missing:
+            raise ValueError(
+                f"The strategy has no config for ops {missing}. Every op "
+                "needs one; `Strategy.data_parallel(graph, n)` gives a "
+                "complete start."
+            )
+        for op in graph:
+            validate_config(op, self._configs[op.name], num_devices)
 
     def replace(self, name: str, config: ParallelConfig) -> "Strategy":
         """A new strategy with one op's config changed."""

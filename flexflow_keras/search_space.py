@@ -1,0 +1,135 @@
+"""The SOAP search space of one op: every config the runtime can execute.
+
+A config splits only the output dims the op declares partitionable
+(`Op.partitionable`, from `op_specs`), each by a degree dividing that
+dim's size, into at most `num_devices` parts, and places the parts on
+any distinct devices in any order (the Operator dimension of SOAP). So
+a whole op on one device k (`dims` all 1, `device_ids=(k,)`) is in the
+space, as FlexFlow's DLRM strategy needs for its embedding tables.
+
+The DTensor runtime's tests execute random configs from here: what this
+module proposes, the runtime must run.
+"""
+
+import functools
+import itertools
+import math
+import random
+from collections.abc import Iterator
+
+from flexflow_keras.graph import Op
+from flexflow_keras.strategy import ParallelConfig
+
+
+def _divisors(size: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(size, limit) + 1) if size % d == 0]
+
+
+def valid_dims(op: Op, num_devices: int) -> list[tuple[int, ...]]:
+    """Every degree tuple the op may take on `num_devices` devices.
+
+    Args:
+        op: The op.
+        num_devices: Devices of the machine.
+
+    Returns:
+        Tuples with one degree per output dim (rank-0 ops: one entry),
+        > 1 only on partitionable dims, each dividing its dim, product
+        <= `num_devices`; sorted, `(1, ..., 1)` first.
+    """
+    if num_devices < 1:
+        raise ValueError(
+            f"`num_devices` must be >= 1. Received: num_devices={num_devices}"
+        )
+    groups = _dims_by_parts(
+        op.output_shape or (1,), frozenset(op.partitionable), num_devices
+    )
+    return [dims for _, choices in groups for dims in choices]
+
+
+def _device_sets(parts: int, num_devices: int) -> Iterator[tuple[int, ...]]:
+    return itertools.permutations(range(num_devices), parts)
+
+
+def valid_configs(
+    op: Op, num_devices: int, placement: str = "any"
+) -> Iterator[ParallelConfig]:
+    """Every valid config of `op`, lazily.
+
+    Args:
+        op: The op.
+        num_devices: Devices of the machine.
+        placement: `"any"`: every ordered choice of distinct devices
+            (n!/(n-k)! per degree tuple with k parts: enumerate only on
+            small machines); `"contiguous"`: blocks `s..s+k-1` as
+            FlexFlow proposes them.
+
+    Yields:
+        `ParallelConfig`s, each exactly once.
+    """
+    if placement not in ("any", "contiguous"):
+        raise ValueError(
+            "`placement` must be 'any' or 'contiguous'. "
+            f"Received: placement={placement!r}"
+        )
+    for dims in valid_dims(op, num_devices):
+        parts = math.prod(dims)
+        if placement == "any":
+            sets = _device_sets(parts, num_devices)
+        else:
+            sets = (
+                tuple(range(s, s + parts))
+                for s in range(num_devices - parts + 1)
+            )
+        for ids in sets:
+            yield ParallelConfig(dims, ids)
+
+
+@functools.lru_cache(maxsize=4096)
+def _dims_by_parts(
+    shape: tuple[int, ...], split_dims: frozenset[int], num_devices: int
+) -> tuple[tuple[int, tuple[tuple[int, ...], ...]], ...]:
+    """(part count, degree tuples) pairs; a pure function, so cached."""
+    choices = [
+        _divisors(size, num_devices) if dim in split_dims else [1]
+        for dim, size in enumerate(shape)
+    ]
+    by_parts: dict[int, list[tuple[int, ...]]] = {}
+    for dims in itertools.product(*choices):
+        parts = math.prod(dims)
+        if parts <= num_devices:
+            by_parts.setdefault(parts, []).append(dims)
+    return tuple((p, tuple(sorted(by_parts[p]))) for p in sorted(by_parts))
+
+
+def random_config(
+    op: Op, num_devices: int, rng: random.Random
+) -> ParallelConfig:
+    """One random valid config of `op`.
+
+    Draws the part count uniformly among those the op can take (so one
+    device, the Operator-parallel placement, is as likely as any split),
+    then a degree tuple with that many parts, then the devices: half the
+    time a contiguous block at a random start (FlexFlow's proposal), else
+    any distinct devices in any order.
+
+    Args:
+        op: The op.
+        num_devices: Devices of the machine.
+        rng: Source of randomness (`random.Random`), for reproducibility.
+    """
+    if num_devices < 1:
+        raise ValueError(
+            f"`num_devices` must be >= 1. Received: num_devices={num_devices}"
+        )
+    groups = _dims_by_parts(
+        op.output_shape or (1,), frozenset(op.partitionable), num_devices
+    )
+    parts, choices = rng.choice(groups)
+    dims = rng.choice(choices)
+    if rng.random() < 0.5:
+        start = rng.randrange(num_devices - parts + 1)
+        ids = tuple(range(start, start + parts))
+    else:
+        ids = tuple(rng.sample(range(num_devices), parts))
+    return ParallelConfig(dims, ids)
