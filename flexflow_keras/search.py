@@ -1,0 +1,266 @@
+"""MCMC search over strategies, as in FlexFlow (MLSys'19, section 6).
+
+Starts from data parallelism. Each iteration picks a random op and a
+random valid config for it (`search_space.random_config`), scores the
+changed strategy with the simulator's delta simulation, and accepts it if
+faster, else with probability `exp(-alpha * (next_ms - cur_ms))`; the
+best strategy seen is kept. Infeasible proposals (over a device's
+memory) are rejected. Ctrl-C ends the search early and keeps the best.
+
+Python only: the simulator is any object with FlexFlow's interface,
+`start(strategy)`, `propose(op_name, config)` (not committed) and
+`accept()`, each returning a result with `step_ms` and `feasible`.
+"""
+
+import dataclasses
+import math
+import random
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from flexflow_keras.graph import OpGraph
+from flexflow_keras.search_space import random_config
+from flexflow_keras.strategy import Strategy
+
+PROGRESS_EVERY = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    """What one search found.
+
+    Args:
+        strategy: The best strategy found.
+        best_ms: Its simulated step time (ms).
+        data_parallel_ms: Simulated step time of data parallelism (ms);
+            `inf` when data parallelism does not fit in memory.
+        iterations: Iterations run (fewer than the budget if stopped).
+        accepted: Proposals accepted.
+        wall_s: Wall time of the search (s).
+        interrupted: True when Ctrl-C ended it.
+        seed: The seed used (drawn when None was given).
+    """
+
+    strategy: Strategy
+    best_ms: float
+    data_parallel_ms: float
+    iterations: int
+    accepted: int = 0
+    wall_s: float = 0.0
+    interrupted: bool = False
+    seed: int | None = None
+
+    @property
+    def speedup(self) -> float:
+        """Data-parallel step time over the best step time."""
+        if self.best_ms <= 0 or math.isinf(self.best_ms):
+            return float("nan")
+        return self.data_parallel_ms / self.best_ms
+
+
+def _ms(result: Any) -> float:
+    if not getattr(result, "feasible", True):
+        return math.inf
+    return float(result.step_ms)
+
+
+def search(
+    graph: OpGraph,
+    simulator: Any,
+    num_devices: int,
+    budget: int,
+    alpha: float = 0.05,
+    seed: int | None = None,
+    verbose: int = 1,
+    initial: Strategy | None = None,
+    print_fn: Callable[[str], None] | None = None,
+) -> SearchResult:
+    """Runs FlexFlow's MCMC search for `budget` iterations.
+
+    Args:
+        graph: The model's `OpGraph`.
+        simulator: A simulator of `graph` on the machine (see module
+            docstring for the interface).
+        num_devices: Devices of the machine (ids 0..n-1).
+        budget: Iterations; 0 returns data parallelism.
+        alpha: Temperature factor per ms: a proposal slower by d ms is
+            accepted with probability exp(-alpha * d).
+        seed: Seed for the proposals; the same seed, graph and simulator
+            give the same result. None draws one.
+        verbose: 0 silent; 1 FlexFlow's progress lines every 100
+            iterations and the best strategy at the end.
+        initial: Start strategy; data parallelism when None.
+        print_fn: Where lines go; `print` when None.
+
+    Returns:
+        A `SearchResult`.
+    """
+    if budget < 0:
+        raise ValueError(
+            f"`budget` must be >= 0. Received: budget={budget}"
+        )
+    if alpha < 0:
+        raise ValueError(f"`alpha` must be >= 0. Received: alpha={alpha}")
+    out = print_fn or _print
+    if seed is None:
+        seed = random.SystemRandom().randrange(2**31)
+    rng = random.Random(seed)
+    data_parallel = Strategy.data_parallel(graph, num_devices)
+    current = data_parallel if initial is None else initial
+    current.validate(graph, num_devices)
+    start = time.perf_counter()
+    if initial is None:
+        data_parallel_ms = cur_ms = _ms(simulator.start(current))
+    else:
+        data_parallel_ms = _ms(simulator.simulate(data_parallel))
+        cur_ms = _ms(simulator.start(current))
+    best, best_ms = current, cur_ms
+    ops = graph.ops
+    accepted = iteration = 0
+    interrupted = False
+    try:
+        for iteration in range(1, budget + 1):
+            op = ops[rng.randrange(len(ops))]
+            config = random_config(op, num_devices, rng)
+            next_ms = cur_ms
+            if config != current[op.name]:
+                next_ms = _ms(simulator.propose(op.name, config))
+                if _accept(next_ms, cur_ms, alpha, rng):
+                    simulator.accept()
+                    current = current.replace(op.name, config)
+                    cur_ms = next_ms
+                    accepted += 1
+                    if cur_ms < best_ms:
+                        best, best_ms = current, cur_ms
+            if verbose and iteration % PROGRESS_EVERY == 0:
+                out(
+                    f"iter({iteration}) cur({cur_ms:.2f}) "
+                    f"next({next_ms:.2f}) best({best_ms:.2f})"
+                )
+    except KeyboardInterrupt:
+        interrupted = True
+        iteration = max(iteration - 1, 0)  # the cut one did not finish
+        if verbose:
+            out(f"Search interrupted after {iteration} iterations; "
+                "keeping the best strategy found so far.")
+    result = SearchResult(
+        strategy=best,
+        best_ms=best_ms,
+        data_parallel_ms=data_parallel_ms,
+        iterations=iteration,
+        accepted=accepted,
+        wall_s=time.perf_counter() - start,
+        interrupted=interrupted,
+        seed=seed,
+    )
+    if verbose:
+        out(report(result))
+    return result
+
+
+def _accept(
+    next_ms: float, cur_ms: float, alpha: float, rng: random.Random
+) -> bool:
+    """Metropolis rule; draws a number only when it must (reproducible)."""
+    if math.isinf(next_ms):
+        return False
+    if next_ms < cur_ms:
+        return True
+    return rng.random() < math.exp(-alpha * (next_ms - cur_ms))
+
+
+def _print(line: str) -> None:
+    print(line, file=sys.stdout, flush=True)
+
+
+def report(result: SearchResult) -> str:
+    """FlexFlow's "Best Discovered Strategy" block and the speed-up."""
+    lines = [
+        "=========== Best Discovered Strategy ==========",
+        result.strategy.to_text().rstrip("\n"),
+        "============= MCMC Search Finished ============",
+        f"Best simulated step time: {result.best_ms:.3f} ms "
+        f"(data parallelism: {result.data_parallel_ms:.3f} ms); "
+        f"simulated speed-up over data parallelism: "
+        f"{result.speedup:.2f}x after {result.iterations} iterations "
+        f"in {result.wall_s:.1f} s.",
+    ]
+    return "\n".join(lines)
+
+
+def strategy_table(
+    graph: OpGraph,
+    strategy: Strategy,
+    per_op_ms: Mapping[str, float] | None = None,
+    line_length: int = 98,
+) -> str:
+    """A `model.summary()`-style table of each op's parallel config.
+
+    Args:
+        graph: The model's `OpGraph`.
+        strategy: A strategy for it.
+        per_op_ms: Optional op name -> simulated time (ms) column.
+        line_length: Total width of the table.
+
+    Returns:
+        The table as a string, one op a row, in graph order.
+    """
+    headers = ["Op (type)", "Output shape", "Split dims", "Devices"]
+    rows = []
+    for op in graph:
+        config = strategy[op.name]
+        split = _split_text(op, config.dims)
+        row = [
+            f"{op.name} ({op.type})",
+            str(op.output_shape),
+            split,
+            _ids_text(config.device_ids),
+        ]
+        if per_op_ms is not None:
+            ms = per_op_ms.get(op.name)
+            row.append("" if ms is None else f"{ms:.3f}")
+        rows.append(row)
+    if per_op_ms is not None:
+        headers.append("Time (ms)")
+    return _format_table(headers, rows, line_length)
+
+
+def _split_text(op: Any, dims: tuple[int, ...]) -> str:
+    parts = [
+        f"{op.partitionable.get(dim, 'dim ' + str(dim))}={degree}"
+        for dim, degree in enumerate(dims)
+        if degree > 1
+    ]
+    return ", ".join(parts) or "none"
+
+
+def _ids_text(ids: tuple[int, ...]) -> str:
+    if len(ids) > 2 and ids == tuple(range(ids[0], ids[0] + len(ids))):
+        return f"{ids[0]}-{ids[-1]}"
+    return ",".join(map(str, ids))
+
+
+def _format_table(
+    headers: list[str], rows: list[list[str]], line_length: int
+) -> str:
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, row)]
+    total = sum(widths) + 2 * (len(widths) - 1)
+    if total > line_length:
+        # Shrink the first (name) column; names are cut with "…".
+        widths[0] = max(12, widths[0] - (total - line_length))
+
+    def fit(cell: str, width: int) -> str:
+        return cell if len(cell) <= width else cell[: width - 1] + "…"
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            fit(c, w).ljust(w) for c, w in zip(cells, widths)
+        ).rstrip()
+
+    rule = "─" * min(line_length, sum(widths) + 2 * (len(widths) - 1))
+    body = [line(r) for r in rows]
+    return "\n".join([rule, line(headers), rule, *body, rule])
