@@ -1,0 +1,238 @@
+"""MCMC search: FlexFlow's acceptance rule, reproducibility, the optimum.
+
+A closed-form fake simulator keeps these tests exact and fast; the real
+simulator is used too where it exists.
+"""
+
+import itertools
+import math
+import unittest
+
+import keras
+
+from flexflow_keras import search as search_lib
+from flexflow_keras.graph import build_graph
+from flexflow_keras.search_space import valid_configs
+from flexflow_keras.strategy import ParallelConfig, Strategy
+
+PEAK_FLOPS_PER_MS = 1e7
+LINK_BYTES_PER_MS = 1e5
+
+
+class FakeResult:
+    def __init__(self, step_ms: float, feasible: bool = True):
+        self.step_ms = step_ms
+        self.feasible = feasible
+
+
+class FakeSimulator:
+    """Closed-form cost: busiest device + resharding + weight sync (ms).
+
+    Compute splits evenly over an op's parts; an edge between ops whose
+    configs differ moves the whole tensor once; replicated trainable
+    weights cost a ring all-reduce. `infeasible` lists configs to reject.
+    """
+
+    def __init__(self, graph, infeasible=()):
+        self.graph = graph
+        self.infeasible = set(infeasible)
+        self.current = None
+        self.pending = None
+        self.calls = {"start": 0, "propose": 0, "accept": 0}
+
+    def cost(self, strategy) -> FakeResult:
+        load: dict[int, float] = {}
+        comm = sync = 0.0
+        for op in self.graph:
+            config = strategy[op.name]
+            if (op.name, config) in self.infeasible:
+                return FakeResult(math.inf, feasible=False)
+            flops = op.forward_flops + op.backward_flops
+            for d in config.device_ids:
+                load[d] = load.get(d, 0.0) + (
+                    flops / config.num_parts / PEAK_FLOPS_PER_MS
+                )
+            for pred in self.graph.predecessors(op):
+                if strategy[pred.name] != config:
+                    comm += pred.output_bytes / LINK_BYTES_PER_MS
+            pdim = op.parameter_dim
+            shards = config.dims[pdim] if pdim is not None else 1
+            replicas = config.num_parts // shards
+            if replicas > 1 and op.trainable_weight_bytes:
+                sync += (2 * (replicas - 1) / replicas
+                         * op.trainable_weight_bytes / shards
+                         / LINK_BYTES_PER_MS)
+        return FakeResult(max(load.values()) + comm + sync)
+
+    def simulate(self, strategy):
+        return self.cost(strategy)
+
+    def start(self, strategy):
+        self.calls["start"] += 1
+        self.current = strategy
+        return self.cost(strategy)
+
+    def propose(self, name, config):
+        self.calls["propose"] += 1
+        self.pending = self.current.replace(name, config)
+        return self.cost(self.pending)
+
+    def accept(self):
+        self.calls["accept"] += 1
+        self.current = self.pending
+
+
+def mlp_graph(batch: int, units: tuple[int, ...], features: int = 4):
+    inputs = keras.Input(shape=(features,), name="x")
+    x = inputs
+    for i, n in enumerate(units):
+        x = keras.layers.Dense(n, name=f"dense_{i}")(x)
+    return build_graph(keras.Model(inputs, x), batch)
+
+
+def exhaustive_optimum(graph, simulator, num_devices):
+    spaces = [list(valid_configs(op, num_devices)) for op in graph]
+    best = math.inf
+    for configs in itertools.product(*spaces):
+        strategy = Strategy(
+            {op.name: c for op, c in zip(graph, configs)}
+        )
+        result = simulator.simulate(strategy)
+        if result.feasible:
+            best = min(best, result.step_ms)
+    return best
+
+
+class SearchTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        # Big weights, small batch: data parallelism is far from optimal.
+        cls.graph = mlp_graph(batch=8, units=(512, 512, 8), features=512)
+
+    def run_search(self, budget=300, seed=0, **kwargs):
+        simulator = kwargs.pop("simulator", FakeSimulator(self.graph))
+        return search_lib.search(
+            self.graph, simulator, 4, budget, seed=seed, verbose=0, **kwargs
+        )
+
+    def test_budget_zero_keeps_data_parallelism(self):
+        result = self.run_search(budget=0)
+        self.assertEqual(result.strategy,
+                         Strategy.data_parallel(self.graph, 4))
+        self.assertEqual(result.best_ms, result.data_parallel_ms)
+        self.assertEqual(result.iterations, 0)
+
+    def test_finds_faster_than_data_parallel(self):
+        result = self.run_search()
+        self.assertLess(result.best_ms, result.data_parallel_ms)
+        self.assertGreater(result.speedup, 1.0)
+        expected = FakeSimulator(self.graph).cost(result.strategy).step_ms
+        self.assertAlmostEqual(result.best_ms, expected)
+        result.strategy.validate(self.graph, 4)
+
+    def test_same_seed_same_result(self):
+        a, b = self.run_search(seed=3), self.run_search(seed=3)
+        self.assertEqual(a.strategy, b.strategy)
+        self.assertEqual(a.best_ms, b.best_ms)
+        self.assertEqual(a.accepted, b.accepted)
+        self.assertEqual(a.seed, 3)
+
+    def test_uses_delta_simulation(self):
+        simulator = FakeSimulator(self.graph)
+        result = self.run_search(budget=200, simulator=simulator)
+        self.assertEqual(simulator.calls["start"], 1)
+        self.assertLessEqual(simulator.calls["propose"], 200)
+        self.assertEqual(simulator.calls["accept"], result.accepted)
+
+    def test_rejects_infeasible_proposals(self):
+        dense = self.graph.op("dense_1")
+        banned = [(dense.name, c) for c in valid_configs(dense, 4)
+                  if c.num_parts < 4]
+        simulator = FakeSimulator(self.graph, infeasible=banned)
+        result = self.run_search(budget=400, simulator=simulator)
+        self.assertEqual(result.strategy["dense_1"].num_parts, 4)
+        self.assertTrue(math.isfinite(result.best_ms))
+
+    def test_alpha_zero_accepts_every_feasible_proposal(self):
+        simulator = FakeSimulator(self.graph)
+        result = self.run_search(budget=100, alpha=0.0, simulator=simulator)
+        self.assertEqual(result.accepted, simulator.calls["propose"])
+
+    def test_huge_alpha_accepts_only_improvements(self):
+        class Recording(FakeSimulator):
+            def accept(inner):
+                steps.append(inner.cost(inner.pending).step_ms)
+                super().accept()
+
+        steps = []
+        self.run_search(budget=300, alpha=1e9,
+                        simulator=Recording(self.graph))
+        self.assertEqual(steps, sorted(steps, reverse=True))
+
+    def test_ctrl_c_keeps_best_so_far(self):
+        class Interrupting(FakeSimulator):
+            def propose(inner, name, config):
+                if inner.calls["propose"] == 50:
+                    raise KeyboardInterrupt
+                return super().propose(name, config)
+
+        result = self.run_search(budget=1000,
+                                 simulator=Interrupting(self.graph))
+        self.assertTrue(result.interrupted)
+        self.assertLess(result.iterations, 1000)
+        self.assertLessEqual(result.best_ms, result.data_parallel_ms)
+        result.strategy.validate(self.graph, 4)
+
+    def test_progress_lines_and_best_strategy_block(self):
+        lines = []
+        search_lib.search(self.graph, FakeSimulator(self.graph), 4, 200,
+                          seed=0, verbose=1, print_fn=lines.append)
+        self.assertRegex(
+            lines[0], r"^iter\(100\) cur\([\d.]+\) next\([\d.]+\) "
+            r"best\([\d.]+\)$"
+        )
+        self.assertRegex(lines[1], r"^iter\(200\) ")
+        block = lines[2]
+        self.assertIn("=========== Best Discovered Strategy ==========",
+                      block)
+        self.assertRegex(block, r"\[dense_0\] num_dims\(2\) dims\[")
+        self.assertRegex(block, r"speed-up over data parallelism: [\d.]+x")
+
+    def test_rejects_bad_arguments(self):
+        with self.assertRaisesRegex(ValueError, "budget=-1"):
+            self.run_search(budget=-1)
+        with self.assertRaisesRegex(ValueError, "alpha=-0.5"):
+            self.run_search(alpha=-0.5)
+
+
+class ExhaustiveOptimumTest(unittest.TestCase):
+    """On a 3-layer MLP on 2 devices, MCMC finds what enumeration finds."""
+
+    def test_matches_exhaustive_optimum_fake_simulator(self):
+        graph = mlp_graph(batch=4, units=(64, 64, 2), features=64)
+        simulator = FakeSimulator(graph)
+        optimum = exhaustive_optimum(graph, simulator, 2)
+        result = search_lib.search(graph, FakeSimulator(graph), 2, 2000,
+                                   seed=0, verbose=0)
+        self.assertAlmostEqual(result.best_ms, optimum, places=9)
+        self.assertLess(optimum, result.data_parallel_ms)
+
+
+class StrategyTableTest(unittest.TestCase):
+    def test_rows_per_op_with_time_column(self):
+        graph = mlp_graph(batch=8, units=(6, 2))
+        strategy = Strategy.data_parallel(graph, 4).replace(
+            "dense_1", ParallelConfig((1, 2), (3, 1))
+        )
+        table = search_lib.strategy_table(
+            graph, strategy, {"dense_0": 1.5, "dense_1": 0.25}
+        )
+        lines = table.splitlines()
+        self.assertIn("Op (type)", lines[1])
+        self.assertIn("Time (ms)", lines[1])
+        self.assertRegex(lines[3], r"dense_0 \(Dense\)\s+\(8, 6\)\s+"
+                         r"sample=4\s+0-3\s+1.500")
+        self.assertRegex(lines[4], r"dense_1 \(Dense\)\s+\(8, 2\)\s+"
+                         r"parameter=2\s+3,1\s+0.250")
+        self.assertTrue(all(len(line) <= 98 for line in lines))
+        self.assertNotIn("Time", search_lib.strategy_table(graph, strategy))
