@@ -3,14 +3,58 @@
 `describe()` is the one entry point; `graph.py` calls it for each layer
 call. A layer type without a rule is an opaque op: estimated FLOPs and
 sample-dim partitioning only, never an error.
+
+Counting convention (`flops_exact=True` means exact under these rules):
+
+- Whole batch, one training step; a multiply-add is 2 FLOPs, any other
+  add, multiply, compare, divide, exp or select is 1.
+- Backward = gradient w.r.t. the inputs (always counted, even for the
+  first op, whose input gradient TensorFlow may skip) + gradients w.r.t.
+  the weights. A matmul-like op (Dense, Conv, attention, RNN gates) costs
+  twice its forward matmul FLOPs backward; a bias adds 1 FLOP per output
+  element forward (the add) and backward (the accumulation).
+- Convolutions count every kernel tap, padded ones included (the kernel
+  computes them). Pooling counts only window elements inside the input
+  (TensorFlow skips padding): max = window - 1 compares per output,
+  average = window adds + divide; backward max = 1 per output (scatter
+  to the argmax), average = 1 per window element + 1 per output.
+- Activations: 1 FLOP per element forward and 1 backward (the multiply
+  by the local derivative), whatever the function; `linear` is free.
+  Softmax (also as an activation) is 5 per element forward (max, subtract,
+  exp, sum, divide) and 4 backward.
+- BatchNormalization / LayerNormalization, training mode: 6 per element
+  forward (mean 1, variance 3, normalize 2), +1 for `scale`, +1 for
+  `center`; 7 per element backward through the statistics, +2 for the
+  gamma gradient, +1 for the beta gradient. RMS scaling: 3 forward, 5
+  backward. O(channels) terms (rsqrt, moving averages) are not counted.
+- Elementwise ops: 1 per output element per binary operation forward;
+  backward per element per tensor input: add 0, subtract 0/1 (negate the
+  second), multiply 1, divide 1/3, maximum/minimum 1 (select). Sums over
+  broadcast dims in backward are not counted.
+- Dropout with rate > 0: 2 per element forward (mask, scale), 1 backward.
+  Embedding: 0 forward (a gather), 1 per output element backward (the
+  scatter-add). Reshape, Flatten, Concatenate, padding: 0.
+- Attention: the five projections as Dense, query scaling 1 per query
+  element, scores and weighted sum as matmuls, softmax as above. Masks
+  are not counted.
+- RNN cells per step and sample: the gate matmuls as Dense, plus 13U
+  (LSTM) / 11U (GRU) / 2U (SimpleRNN) gate arithmetic in each direction.
 """
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from flexflow_keras.graph import PARAMETER, SAMPLE
+from flexflow_keras.graph import ATTRIBUTE, PARAMETER, SAMPLE
+
+Shape = tuple[int, ...]
+Shapes = tuple[Shape, ...]
+
+SOFTMAX_FLOPS = (5, 4)  # per element: forward, backward
+DROPOUT_FLOPS = (2, 1)
+NORM_FLOPS = (6, 7)  # statistics + normalize; scale/center extra
+RMS_NORM_FLOPS = (3, 5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,40 +81,483 @@ class OpSpec:
 
 def describe(
     layer: Any,
-    input_shapes: tuple[tuple[int, ...], ...],
-    output_shapes: tuple[tuple[int, ...], ...],
+    input_shapes: Shapes,
+    output_shapes: Shapes,
     arguments: Any = None,
 ) -> OpSpec:
+    """FLOPs and partitionable dims of one call of `layer`.
+
+    Args:
+        layer: The Keras layer or operation.
+        input_shapes: Static shapes of its tensor inputs (batch filled in),
+            in the order of `arguments.keras_tensors`.
+        output_shapes: Static shapes of its outputs.
+        arguments: The call's Keras `SymbolicArguments`, or None; rules
+            that must tell inputs apart (attention, binary ops) use it.
+
+    Returns:
+        An `OpSpec`. Unknown types get an estimate and the sample dim.
+    """
+    input_shapes = tuple(tuple(s) for s in input_shapes)
+    output_shapes = tuple(tuple(s) for s in output_shapes)
     rule = _RULES.get(type(layer).__name__, _opaque)
-    return rule(layer, input_shapes, output_shapes)
+    spec = rule(layer, input_shapes, output_shapes, arguments)
+    return _restrict(spec, input_shapes, output_shapes, arguments)
 
 
-def _num_params(layer: Any) -> int:
-    return sum(math.prod(v.shape) for v in getattr(layer, "weights", ()))
+def _restrict(
+    spec: OpSpec, ins: Shapes, outs: Shapes, arguments: Any
+) -> OpSpec:
+    """Keeps only splits that are valid whatever the rule said.
 
-
-def _opaque(layer, input_shapes, output_shapes) -> OpSpec:
-    """Estimate: 2 FLOPs per weight per sample, or 1 per output element."""
-    batch = output_shapes[0][0] if output_shapes[0] else 1
-    params = _num_params(layer)
-    forward = 2.0 * params * batch
-    forward += sum(math.prod(s) for s in output_shapes)
-    return OpSpec(forward, 2.0 * forward, False, {0: SAMPLE})
-
-
-def _dense(layer, input_shapes, output_shapes) -> OpSpec:
-    out = output_shapes[0]
-    rows = math.prod(out[:-1])
-    forward = 2.0 * rows * input_shapes[0][-1] * out[-1]
-    if layer.use_bias:
-        forward += rows * out[-1]
-    axes = {layer.kernel.path: 1}
-    if layer.use_bias:
-        axes[layer.bias.path] = 0
-    return OpSpec(
-        forward, 2.0 * forward, True,
-        {0: SAMPLE, len(out) - 1: PARAMETER}, axes,
+    Why: several outputs cannot all follow one `dims` (sample only), and
+    an output without the batch dim (a reduction over the batch, a
+    scalar) must not be split as if it had one.
+    """
+    kinds = dict(spec.partitionable)
+    axes = dict(spec.weight_shard_axes)
+    if len(outs) != 1:
+        kinds = {0: SAMPLE} if 0 in kinds else {}
+        axes = {}
+    if not _has_batch_dim(ins, outs, arguments):
+        kinds, axes = {}, {}
+    if kinds == dict(spec.partitionable) and axes == spec.weight_shard_axes:
+        return spec
+    return dataclasses.replace(
+        spec, partitionable=kinds, weight_shard_axes=axes
     )
 
 
-_RULES = {"Dense": _dense}
+def _has_batch_dim(ins: Shapes, outs: Shapes, arguments: Any) -> bool:
+    """Whether output 0 starts with the batch dim of the inputs."""
+    if not outs or not outs[0]:
+        return False
+    tensors = getattr(arguments, "keras_tensors", None)
+    if tensors is not None and len(tensors) == len(ins):
+        batches = {
+            shape[0]
+            for kt, shape in zip(tensors, ins)
+            if kt.shape and kt.shape[0] is None
+        }
+    else:
+        batches = {shape[0] for shape in ins if shape}
+    return not batches or outs[0][0] in batches
+
+
+def _dims(
+    rank: int, attribute: Iterable[int] = (), parameter: int | None = None
+) -> dict[int, str]:
+    kinds = {0: SAMPLE}
+    kinds.update({d: ATTRIBUTE for d in attribute if 0 < d < rank})
+    if parameter is not None:
+        kinds[parameter] = PARAMETER
+    return kinds
+
+
+def _axes_by_name(layer: Any, **axis_of: int) -> dict[str, int]:
+    """Shard axes keyed by variable path, found by variable name."""
+    return {
+        v.path: axis_of[v.name]
+        for v in getattr(layer, "weights", ())
+        if v.name in axis_of
+    }
+
+
+def _activation_flops(fn: Any) -> tuple[int, int]:
+    name = getattr(fn, "__name__", "")
+    if fn is None or name == "linear":
+        return (0, 0)
+    if name in ("softmax", "log_softmax"):
+        return SOFTMAX_FLOPS
+    return (1, 1)
+
+
+def _spec(forward: float, backward: float, kinds, axes=None) -> OpSpec:
+    return OpSpec(float(forward), float(backward), True, kinds, axes or {})
+
+
+def _opaque(layer, ins, outs, arguments) -> OpSpec:
+    """Estimate: 2 FLOPs per weight per sample, or 1 per output element."""
+    batch = outs[0][0] if outs and outs[0] else 1
+    params = sum(math.prod(v.shape) for v in getattr(layer, "weights", ()))
+    forward = 2.0 * params * batch
+    forward += sum(math.prod(s) for s in outs)
+    return OpSpec(forward, 2.0 * forward, False, {0: SAMPLE})
+
+
+def _dense(layer, ins, outs, arguments) -> OpSpec:
+    out = outs[0]
+    n = math.prod(out)
+    matmul = 2 * n * ins[0][-1]
+    bias = n if layer.use_bias else 0
+    act_fwd, act_bwd = _activation_flops(layer.activation)
+    kinds = _dims(len(out), range(1, len(out) - 1), len(out) - 1)
+    return _spec(
+        matmul + bias + act_fwd * n,
+        2 * matmul + bias + act_bwd * n,
+        kinds,
+        _axes_by_name(layer, kernel=1, bias=0),
+    )
+
+
+def _conv(layer, ins, outs, arguments) -> OpSpec:
+    """Conv1D/2D/3D; strides, padding and dilation act via the output."""
+    out, x = outs[0], ins[0]
+    channels_last = layer.data_format == "channels_last"
+    groups = getattr(layer, "groups", 1)
+    if type(layer).__name__.startswith("Depthwise"):
+        taps = math.prod(layer.kernel_size)
+    else:
+        in_channels = x[-1] if channels_last else x[1]
+        taps = math.prod(layer.kernel_size) * (in_channels // groups)
+    n = math.prod(out)
+    matmul = 2 * n * taps
+    bias = n if layer.use_bias else 0
+    act_fwd, act_bwd = _activation_flops(layer.activation)
+    # Spatial dims stay whole: DTensor has no halo exchange off TPU. A
+    # grouped conv split by filters would need its inputs split by group.
+    splittable = (
+        channels_last
+        and groups == 1
+        and not type(layer).__name__.startswith("Depthwise")
+    )
+    kinds = _dims(len(out), parameter=len(out) - 1 if splittable else None)
+    axes = (
+        _axes_by_name(layer, kernel=len(layer.kernel_size) + 1, bias=0)
+        if splittable
+        else {}
+    )
+    return _spec(
+        matmul + bias + act_fwd * n,
+        2 * matmul + bias + act_bwd * n,
+        kinds,
+        axes,
+    )
+
+
+def _window_elements(
+    size: int, out: int, pool: int, stride: int, padding: str
+) -> int:
+    """Sum over output positions of the window elements inside the input."""
+    if padding == "valid":
+        return out * pool
+    pad = max((out - 1) * stride + pool - size, 0) // 2  # TF "same"
+    return sum(
+        min(i * stride - pad + pool, size) - max(i * stride - pad, 0)
+        for i in range(out)
+    )
+
+
+def _pool_flops(
+    is_max: bool, window: int, outputs: int
+) -> tuple[int, int]:
+    if is_max:
+        return window - outputs, outputs
+    return window, window + outputs
+
+
+def _pooling(layer, ins, outs, arguments) -> OpSpec:
+    x, out = ins[0], outs[0]
+    channels_last = layer.data_format == "channels_last"
+    spatial = slice(1, -1) if channels_last else slice(2, None)
+    channels = x[-1] if channels_last else x[1]
+    window = x[0] * channels
+    for size, o, k, s in zip(
+        x[spatial], out[spatial], layer.pool_size, layer.strides
+    ):
+        window *= _window_elements(size, o, k, s, layer.padding)
+    fwd, bwd = _pool_flops(
+        type(layer).__name__.startswith("Max"), window, math.prod(out)
+    )
+    attribute = (len(out) - 1,) if channels_last else ()
+    return _spec(fwd, bwd, _dims(len(out), attribute))
+
+
+def _global_pooling(layer, ins, outs, arguments) -> OpSpec:
+    x, out = ins[0], outs[0]
+    channels_last = layer.data_format == "channels_last"
+    outputs = math.prod(out)
+    fwd, bwd = _pool_flops(
+        "Max" in type(layer).__name__, math.prod(x), outputs
+    )
+    channel_dim = len(out) - 1 if channels_last else 1
+    return _spec(fwd, bwd, _dims(len(out), (channel_dim,)))
+
+
+def _norm_flops(n: int, rms: bool, scale: bool, center: bool):
+    fwd, bwd = RMS_NORM_FLOPS if rms else NORM_FLOPS
+    return n * (fwd + scale + center), n * (bwd + 2 * scale + center)
+
+
+def _batch_norm(layer, ins, outs, arguments) -> OpSpec:
+    out = outs[0]
+    fwd, bwd = _norm_flops(
+        math.prod(out), False, bool(layer.scale), bool(layer.center)
+    )
+    if layer.axis % len(out) != len(out) - 1:
+        return _spec(fwd, bwd, _dims(len(out)))
+    # Every BN variable (gamma, beta, moving stats, renorm) is per channel.
+    axes = {v.path: 0 for v in layer.weights if len(v.shape) == 1}
+    return _spec(fwd, bwd, _dims(len(out), parameter=len(out) - 1), axes)
+
+
+def _layer_norm(layer, ins, outs, arguments) -> OpSpec:
+    out = outs[0]
+    rank = len(out)
+    axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [
+        layer.axis
+    ]
+    normalized = {a % rank for a in axis}
+    fwd, bwd = _norm_flops(
+        math.prod(out),
+        bool(getattr(layer, "rms_scaling", False)),
+        getattr(layer, "gamma", None) is not None,
+        getattr(layer, "beta", None) is not None,
+    )
+    middle = [d for d in range(1, rank - 1) if d not in normalized]
+    return _spec(fwd, bwd, _dims(rank, middle))
+
+
+def _embedding(layer, ins, outs, arguments) -> OpSpec:
+    out = outs[0]
+    kinds = _dims(len(out), range(1, len(out) - 1), len(out) - 1)
+    return _spec(
+        0, math.prod(out), kinds, _axes_by_name(layer, embeddings=1)
+    )
+
+
+def _call_arg(arguments: Any, position: int, name: str) -> Any:
+    if arguments is None:
+        return None
+    if len(arguments.args) > position:
+        return arguments.args[position]
+    return arguments.kwargs.get(name)
+
+
+def _full_shape(kt: Any, batch: int) -> Shape:
+    return (batch,) + tuple(kt.shape[1:])
+
+
+def _projection_flops(sublayer: Any, rows: int) -> tuple[int, int]:
+    """Forward, backward FLOPs of an `EinsumDense` applied to `rows`.
+
+    Its activation (the gate's sigmoid) is counted by the caller.
+    """
+    macs = rows * math.prod(sublayer.kernel.shape)
+    bias = getattr(sublayer, "bias", None)
+    bias_flops = rows * math.prod(bias.shape) if bias is not None else 0
+    return 2 * macs + bias_flops, 4 * macs + bias_flops
+
+
+def _attention(layer, ins, outs, arguments) -> OpSpec:
+    """MultiHeadAttention; query, value, key told apart via `arguments`."""
+    batch = outs[0][0]
+    query = _call_arg(arguments, 0, "query")
+    value = _call_arg(arguments, 1, "value")
+    key = _call_arg(arguments, 2, "key")
+    if query is not None and value is not None:
+        q = _full_shape(query, batch)
+        v = _full_shape(value, batch)
+        k = _full_shape(key, batch) if key is not None else v
+    else:
+        q = ins[0]
+        v = ins[1] if len(ins) > 1 else q
+        k = ins[2] if len(ins) > 2 else v
+    heads = layer.num_heads
+    q_rows, k_rows = math.prod(q[:-1]), math.prod(k[:-1])
+    fwd = bwd = 0
+    projections = [
+        (layer.query_dense, q_rows),
+        (layer.key_dense, k_rows),
+        (layer.value_dense, k_rows),
+        (layer.output_dense, q_rows),
+    ]
+    if getattr(layer, "_use_gate", False):
+        projections.append((layer._gate_dense, q_rows))
+    for sublayer, rows in projections:
+        f, b = _projection_flops(sublayer, rows)
+        fwd, bwd = fwd + f, bwd + b
+    # Non-attention axes act like batch axes: same size in query and key.
+    batch_like = math.prod(
+        q[i] for i in range(1, len(q) - 1) if i not in layer._attention_axes
+    )
+    scores = heads * q_rows * (k_rows // batch // batch_like)
+    key_dim, value_dim = layer.key_dim, layer.value_dim
+    fwd += heads * q_rows * key_dim  # query * 1/sqrt(key_dim)
+    bwd += heads * q_rows * key_dim
+    fwd += 2 * scores * (key_dim + value_dim) + SOFTMAX_FLOPS[0] * scores
+    bwd += 4 * scores * (key_dim + value_dim) + SOFTMAX_FLOPS[1] * scores
+    if layer.dropout > 0:
+        fwd += DROPOUT_FLOPS[0] * scores
+        bwd += DROPOUT_FLOPS[1] * scores
+    if getattr(layer, "_use_gate", False):
+        gated = heads * q_rows * value_dim
+        fwd += 2 * gated  # sigmoid, multiply
+        bwd += 3 * gated  # sigmoid derivative, two multiply gradients
+    return _spec(fwd, bwd, _dims(len(outs[0]), (1,)))
+
+
+_RNN_GATES = {"SimpleRNN": 1, "GRU": 3, "LSTM": 4}
+_RNN_ELEMENTWISE = {"SimpleRNN": 2, "GRU": 11, "LSTM": 13}
+
+
+def _rnn(layer, ins, outs, arguments) -> OpSpec:
+    """SimpleRNN / GRU / LSTM over a (batch, steps, features) input."""
+    kind = type(layer).__name__
+    x = ins[0]
+    cell = layer.cell
+    units = cell.units
+    gates = _RNN_GATES[kind]
+    macs = (x[-1] + units) * gates * units
+    elementwise = _RNN_ELEMENTWISE[kind] * units
+    bias = gates * units if cell.use_bias else 0
+    if kind == "GRU" and cell.use_bias and cell.reset_after:
+        bias *= 2  # separate input and recurrent biases
+    if kind == "SimpleRNN" and _activation_flops(cell.activation)[0] == 0:
+        elementwise -= units
+    steps_samples = x[0] * x[1]
+    fwd = steps_samples * (2 * macs + elementwise + bias)
+    bwd = steps_samples * (4 * macs + elementwise + bias)
+    return _spec(fwd, bwd, _dims(len(outs[0])))
+
+
+def _is_layer(op: Any) -> bool:
+    from keras.src.layers.layer import Layer
+
+    return isinstance(op, Layer)
+
+
+# Backward FLOPs per element for each input position of a binary op.
+_BINARY_BACKWARD = {
+    "Add": (0, 0),
+    "Subtract": (0, 1),
+    "Multiply": (1, 1),
+    "Divide": (1, 3),
+    "TrueDivide": (1, 3),
+    "Maximum": (1, 1),
+    "Minimum": (1, 1),
+}
+
+
+def _tensor_positions(arguments: Any, num_inputs: int) -> list[int]:
+    """Which of the two operands of a binary op are tensors."""
+    if arguments is None:
+        return list(range(min(num_inputs, 2)))
+    from keras.src.backend import KerasTensor
+
+    operands = [_call_arg(arguments, i, f"x{i + 1}") for i in range(2)]
+    return [i for i, a in enumerate(operands) if isinstance(a, KerasTensor)]
+
+
+def _elementwise_dims(out: Shape) -> dict[int, str]:
+    return _dims(len(out), range(1, len(out)))
+
+
+def _merge(layer, ins, outs, arguments) -> OpSpec:
+    """Merge layers over k inputs, and the same-named binary `keras.ops`."""
+    kind = type(layer).__name__
+    n = math.prod(outs[0])
+    if not _is_layer(layer):
+        if kind not in _BINARY_BACKWARD:  # ops.average is a reduction
+            return _opaque(layer, ins, outs, arguments)
+        bwd = sum(
+            _BINARY_BACKWARD[kind][i]
+            for i in _tensor_positions(arguments, len(ins))
+        )
+        return _spec(n, bwd * n, _elementwise_dims(outs[0]))
+    k = len(ins)
+    fwd = {"Average": k}.get(kind, k - 1)
+    bwd = {"Add": 0, "Subtract": 1, "Multiply": k * (k - 1)}.get(kind, k)
+    return _spec(fwd * n, bwd * n, _elementwise_dims(outs[0]))
+
+
+def _softmax_dims(axis: Any, out: Shape) -> dict[int, str]:
+    if axis is None:
+        return {}  # normalizes over every dim, batch included
+    axes = axis if isinstance(axis, (list, tuple)) else (axis,)
+    skip = {a % len(out) for a in axes}
+    return _dims(len(out), [d for d in range(1, len(out)) if d not in skip])
+
+
+def _softmax(layer, ins, outs, arguments) -> OpSpec:
+    n = math.prod(outs[0])
+    fwd, bwd = SOFTMAX_FLOPS
+    return _spec(fwd * n, bwd * n, _softmax_dims(layer.axis, outs[0]))
+
+
+def _activation(layer, ins, outs, arguments) -> OpSpec:
+    """Activation layers and unary `keras.ops`: elementwise."""
+    out = outs[0]
+    n = math.prod(out)
+    fn = getattr(layer, "activation", None)
+    fwd, bwd = _activation_flops(fn) if fn is not None else (1, 1)
+    if (fwd, bwd) == SOFTMAX_FLOPS:
+        return _spec(fwd * n, bwd * n, _softmax_dims(-1, out))
+    return _spec(fwd * n, bwd * n, _elementwise_dims(out))
+
+
+def _dropout(layer, ins, outs, arguments) -> OpSpec:
+    n = math.prod(outs[0])
+    fwd, bwd = DROPOUT_FLOPS if layer.rate > 0 else (0, 0)
+    return _spec(fwd * n, bwd * n, _elementwise_dims(outs[0]))
+
+
+def _concatenate(layer, ins, outs, arguments) -> OpSpec:
+    out = outs[0]
+    axis = layer.axis % len(out)
+    keep = [d for d in range(1, len(out)) if d != axis]
+    return _spec(0, 0, _dims(len(out), keep))
+
+
+def _data_movement(layer, ins, outs, arguments) -> OpSpec:
+    """Reshape, Flatten, padding, cropping: no arithmetic."""
+    return _spec(0, 0, _dims(len(outs[0])))
+
+
+def _matmul(layer, ins, outs, arguments) -> OpSpec:
+    """`keras.ops.matmul` of two tensors of rank >= 2."""
+    if len(ins) != 2 or min(len(s) for s in ins) < 2:
+        return _opaque(layer, ins, outs, arguments)
+    macs = math.prod(outs[0]) * ins[0][-1]
+    return _spec(2 * macs, 4 * macs, _dims(len(outs[0])))
+
+
+def _rules() -> dict[str, Callable[..., OpSpec]]:
+    rules: dict[str, Callable[..., OpSpec]] = {
+        "Dense": _dense,
+        "BatchNormalization": _batch_norm,
+        "LayerNormalization": _layer_norm,
+        "Embedding": _embedding,
+        "MultiHeadAttention": _attention,
+        "Softmax": _softmax,
+        "LogSoftmax": _softmax,
+        "Dropout": _dropout,
+        "Concatenate": _concatenate,
+        "Matmul": _matmul,
+    }
+    for n in "123":
+        rules[f"Conv{n}D"] = _conv
+        rules[f"DepthwiseConv{n}D"] = _conv
+        for mode in ("Max", "Average"):
+            rules[f"{mode}Pooling{n}D"] = _pooling
+            rules[f"Global{mode}Pooling{n}D"] = _global_pooling
+        rules[f"ZeroPadding{n}D"] = _data_movement
+        rules[f"Cropping{n}D"] = _data_movement
+    for name in _RNN_GATES:
+        rules[name] = _rnn
+    for name in (*_BINARY_BACKWARD, "Average"):
+        rules[name] = _merge
+    for name in (
+        "Activation ReLU LeakyReLU ELU Relu Relu6 Sigmoid Tanh Exp Log "
+        "Sqrt Square Abs Absolute Negative Gelu Silu Softplus Softsign "
+        "Elu Selu LeakyRelu HardSigmoid HardSilu"
+    ).split():
+        rules[name] = _activation
+    for name in (
+        "Reshape Flatten Permute RepeatVector Identity ExpandDims Squeeze"
+    ).split():
+        rules[name] = _data_movement
+    return rules
+
+
+_RULES = _rules()
