@@ -25,10 +25,12 @@ import random
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import flexflow_keras  # noqa: E402,F401  (device setup first)
 import keras  # noqa: E402
+import model_zoo  # noqa: E402  (tests/model_zoo.py)
 
 from flexflow_keras import machine as machine_lib  # noqa: E402
 from flexflow_keras import search as search_lib  # noqa: E402
@@ -41,26 +43,11 @@ from flexflow_keras.strategy import Strategy  # noqa: E402
 layers = keras.layers
 
 
-def dlrm(num_tables=8, rows=1_000_000, dim=64, dense_features=64):
-    """FlexFlow's DLRM case study: 8 tables, MLPs 64-512-512-64 and
-    576-1024-1024-1024-1."""
-    dense_in = keras.Input((dense_features,), name="dense_features")
-    x = dense_in
-    for i, units in enumerate((512, 512, 64)):
-        x = layers.Dense(units, activation="relu", name=f"bottom_{i}")(x)
-    sparse_ins, features = [], [x]
-    for t in range(num_tables):
-        ids = keras.Input((1,), dtype="int32", name=f"sparse_{t}")
-        sparse_ins.append(ids)
-        emb = layers.Embedding(
-            rows, dim, embeddings_initializer="zeros", name=f"embedding_{t}"
-        )(ids)
-        features.append(layers.Reshape((dim,), name=f"flat_{t}")(emb))
-    x = layers.Concatenate(name="interact")(features)
-    for i, units in enumerate((1024, 1024, 1024)):
-        x = layers.Dense(units, activation="relu", name=f"top_{i}")(x)
-    out = layers.Dense(1, activation="sigmoid", name="top_out")(x)
-    return keras.Model([dense_in, *sparse_ins], out, name="dlrm")
+def dlrm():
+    """FlexFlow's DLRM case study: 8 tables 1e6 x 64, MLPs 64-512-512-64
+    and 576-1024-1024-1024-1 (tables not allocated: search only)."""
+    return model_zoo.dlrm(8, 1_000_000, 64, 64, (512, 512, 64),
+                          (1024, 1024, 1024, 1), defer_weights=True)
 
 
 def alexnet(classes=1000):
