@@ -1,0 +1,276 @@
+"""Execution simulator from the FlexFlow paper, made exact and fast.
+
+Turns an `OpGraph`, a `Strategy` and a `MachineModel` into a task graph
+(`taskgraph.py`: forward/backward tasks per op part, transfers between
+intersecting parts, ring all-reduce of replicated weight shards, update
+tasks) and list-schedules it: devices and links are serial resources;
+tasks start in order of ready time, ties broken by a canonical priority,
+each as soon as its predecessors are done and all its resources free.
+The makespan is the step time. Imports no TensorFlow.
+
+Delta simulation (`start` / `propose` / `accept`): the task graph is a
+list of pieces, each a function of one to a few op configs and cached by
+them; a proposal rebuilds only the pieces of the changed op (its op
+piece, its in and out edges, its weight family) and re-runs the
+schedule from the last checkpoint before the first task whose inputs
+changed. Same pieces, same priorities, same arithmetic: the result is
+bit for bit the full simulation's.
+"""
+
+import dataclasses
+import math
+
+from flexflow_keras import taskgraph
+from flexflow_keras.cost import CostModel
+from flexflow_keras.graph import OpGraph
+from flexflow_keras.machine import MachineModel
+from flexflow_keras.schedule import Compiled, Schedule, compile_pieces
+from flexflow_keras.strategy import ParallelConfig, Strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+    """Outcome of simulating one training step.
+
+    Args:
+        step_ms: Simulated makespan of one step, in ms. Computed (finite)
+            also when the strategy is infeasible.
+        busy_ms: Per device, ms of compute tasks (forward, backward,
+            update).
+        comm_bytes: Bytes over links: activations and their gradients
+            between parts, plus 2(p-1) * shard bytes per ring all-reduce.
+        peak_memory_bytes: Per device: weights, gradients and optimizer
+            slots of the shards it holds, plus the activations it keeps
+            for backward (outputs of its parts, inputs it received). All
+            of these are alive at the forward/backward turn, the peak.
+        feasible: False when some device's peak exceeds its memory.
+    """
+
+    step_ms: float
+    busy_ms: tuple[float, ...]
+    comm_bytes: float
+    peak_memory_bytes: tuple[int, ...]
+    feasible: bool
+
+
+class Simulator:
+    """Simulates strategies of one graph on one machine.
+
+    Args:
+        graph: The model's `OpGraph`.
+        machine: The `MachineModel` strategies are placed on.
+        cost_model: Op costs; None: measured for a live machine,
+            analytic otherwise.
+        optimizer_slots: Variables per weight the optimizer keeps: 0 for
+            SGD, 1 for momentum, 2 for Adam.
+    """
+
+    def __init__(
+        self,
+        graph: OpGraph,
+        machine: MachineModel,
+        cost_model: CostModel | None = None,
+        optimizer_slots: int = 0,
+    ):
+        if optimizer_slots not in (0, 1, 2):
+            raise ValueError(
+                "`optimizer_slots` must be 0 (SGD), 1 (momentum) or 2 "
+                f"(Adam). Received: optimizer_slots={optimizer_slots}"
+            )
+        self.graph, self.machine = graph, machine
+        self.cost = cost_model or CostModel(machine)
+        self.slots = optimizer_slots
+        self._ops = graph.ops
+        self._index = {op.name: i for i, op in enumerate(self._ops)}
+        self._families = taskgraph.families(graph)
+        self._layout = _Layout(graph, self._index, self._families)
+        self._cache: dict[tuple, taskgraph.Piece] = {}
+        self._state: tuple[dict, list, Compiled, Schedule] | None = None
+        self._proposal: tuple[dict, list, Compiled, Schedule] | None = None
+
+    # Full simulation -------------------------------------------------
+
+    def simulate(self, strategy: Strategy) -> SimResult:
+        """Full simulation of `strategy`; keeps no state."""
+        configs = self._check(strategy)
+        pieces = [self._piece(k, configs) for k in self._layout.slots]
+        compiled = compile_pieces(pieces, self._layout.op_slots)
+        schedule = Schedule.run(compiled, self._num_resources())
+        return self._result(compiled, schedule)
+
+    def start(self, strategy: Strategy) -> SimResult:
+        """Full simulation that becomes the base of delta simulations."""
+        configs = self._check(strategy)
+        pieces = [self._piece(k, configs) for k in self._layout.slots]
+        compiled = compile_pieces(pieces, self._layout.op_slots)
+        schedule = Schedule.run(compiled, self._num_resources())
+        self._state = (configs, pieces, compiled, schedule)
+        self._proposal = None
+        return self._result(compiled, schedule)
+
+    # Delta simulation ------------------------------------------------
+
+    def propose(self, op_name: str, config: ParallelConfig) -> SimResult:
+        """The current strategy with one op's config changed; no commit."""
+        if self._state is None:
+            raise ValueError(
+                "Call `start(strategy)` before `propose()`. "
+                f"Received: op_name={op_name!r} with no started strategy."
+            )
+        configs, pieces, compiled, schedule = self._state
+        op = self.graph.op(op_name)
+        self._check_config(op, config)
+        new_configs = dict(configs)
+        new_configs[op_name] = config
+        new_pieces = list(pieces)
+        changed = self._layout.touched[op_name]
+        for k in changed:
+            new_pieces[k] = self._piece(self._layout.slots[k], new_configs)
+        new_compiled = compiled.replace(new_pieces, changed)
+        new_schedule = schedule.rerun(new_compiled, compiled)
+        self._proposal = (new_configs, new_pieces, new_compiled,
+                          new_schedule)
+        return self._result(new_compiled, new_schedule)
+
+    def accept(self) -> None:
+        """Makes the last proposal the current strategy."""
+        if self._proposal is None:
+            raise ValueError(
+                "No proposal to accept: call `propose()` first. "
+                "Received: accept() after start() or accept()."
+            )
+        self._state, self._proposal = self._proposal, None
+
+    @property
+    def strategy(self) -> Strategy | None:
+        """The current (started or accepted) strategy."""
+        return None if self._state is None else Strategy(self._state[0])
+
+    def timeline(self, strategy: Strategy | None = None) -> dict:
+        """Chrome trace-event JSON of a strategy (default: current)."""
+        from flexflow_keras import trace
+
+        if strategy is None:
+            if self._state is None:
+                raise ValueError(
+                    "No strategy to trace. Received: strategy=None "
+                    "before start()."
+                )
+            strategy = Strategy(self._state[0])
+        configs = self._check(strategy)
+        pieces = [self._piece(k, configs) for k in self._layout.slots]
+        compiled = compile_pieces(pieces, self._layout.op_slots)
+        schedule = Schedule.run(compiled, self._num_resources())
+        return trace.chrome_trace(self.machine, compiled, schedule)
+
+    # Internals -------------------------------------------------------
+
+    def _num_resources(self) -> int:
+        return self.machine.num_devices + len(self.machine.links)
+
+    def _piece(self, slot: tuple, configs: dict) -> taskgraph.Piece:
+        key = slot + tuple(configs[n] for n in self._layout.reads[slot])
+        piece = self._cache.get(key)
+        if piece is None:
+            if len(self._cache) > 200_000:
+                self._cache.clear()  # bound memory on long searches
+            piece = self._build(slot, configs)
+            self._cache[key] = piece
+        return piece
+
+    def _build(self, slot: tuple, configs: dict) -> taskgraph.Piece:
+        kind, name = slot[0], slot[1]
+        op, i = self.graph.op(name), self._index[name]
+        if kind == "op":
+            return taskgraph.op_piece(op, i, configs[name], self.cost)
+        if kind == "edge":
+            producer = self.graph.op(slot[2])
+            return taskgraph.edge_piece(
+                self.machine, producer, self._index[slot[2]],
+                configs[slot[2]], op, i, configs[name], slot[3],
+            )
+        family = [
+            (self.graph.op(n), self._index[n], configs[n])
+            for n in self._families[name]
+        ]
+        return taskgraph.family_piece(
+            self.machine, self.cost, family, self.slots
+        )
+
+    def _result(self, compiled: Compiled, schedule: Schedule) -> SimResult:
+        n = self.machine.num_devices
+        busy, memory = [0.0] * n, [0.0] * n
+        for device, ms in compiled.busy_ms:
+            busy[device] += ms
+        for device, num_bytes in compiled.memory_bytes:
+            memory[device] += num_bytes
+        peak = tuple(int(math.ceil(m)) for m in memory)
+        feasible = all(
+            p <= d.memory_bytes for p, d in zip(peak, self.machine.devices)
+        )
+        return SimResult(
+            schedule.step_ms, tuple(busy), compiled.comm_bytes, peak,
+            feasible,
+        )
+
+    def _check(self, strategy: Strategy) -> dict[str, ParallelConfig]:
+        missing = [op.name for op in self._ops if op.name not in strategy]
+        if missing:
+            raise ValueError(
+                "The strategy has no config for some ops. Received: "
+                f"missing={missing[:5]}. Give every op a ParallelConfig."
+            )
+        for op in self._ops:
+            self._check_config(op, strategy[op.name])
+        return {op.name: strategy[op.name] for op in self._ops}
+
+    def _check_config(self, op, config: ParallelConfig) -> None:
+        rank = max(op.rank, 1)
+        if len(config.dims) != rank:
+            raise ValueError(
+                f"Op '{op.name}' has a rank-{op.rank} output, so `dims` "
+                f"needs {rank} entries. Received: dims={config.dims}"
+            )
+        bad = [d for d in config.device_ids
+               if not 0 <= d < self.machine.num_devices]
+        if bad:
+            raise ValueError(
+                f"Op '{op.name}' is placed on devices the machine lacks "
+                f"(it has {self.machine.num_devices}). Received: "
+                f"device_ids={config.device_ids}"
+            )
+
+
+class _Layout:
+    """Which pieces exist, which configs each reads, which an op touches.
+
+    Slots: `("op", name)`, `("edge", consumer, producer, input index)`,
+    `("family", owner)`; `reads[slot]` are the op names whose configs
+    the piece depends on; `touched[name]` the slot indices to rebuild
+    when that op's config changes.
+    """
+
+    def __init__(self, graph: OpGraph, index: dict, families: dict):
+        slots: list[tuple] = []
+        reads: dict[tuple, tuple[str, ...]] = {}
+        for op in graph:
+            slots.append(("op", op.name))
+            reads[slots[-1]] = (op.name,)
+        for op in graph:
+            for k, tensor in enumerate(op.inputs):
+                producer = graph.producer(tensor)
+                if producer is not None:
+                    slots.append(("edge", op.name, producer.name, k))
+                    reads[slots[-1]] = (producer.name, op.name)
+        for owner, members in families.items():
+            slots.append(("family", owner))
+            reads[slots[-1]] = tuple(members)
+        self.slots = slots
+        self.reads = reads
+        self.op_slots = list(range(len(graph)))  # op slots come first
+        touched: dict[str, list[int]] = {op.name: [] for op in graph}
+        for k, slot in enumerate(slots):
+            for name in reads[slot]:
+                touched[name].append(k)
+        self.touched = {n: tuple(ks) for n, ks in touched.items()}
+        del index

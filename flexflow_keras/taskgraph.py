@@ -1,0 +1,276 @@
+"""Task graph of one training step: pieces built per op, edge and family.
+
+A strategy's task graph is the union of pieces, each depending on few
+configs, so that a delta simulation rebuilds only the pieces a changed
+op reaches and takes every other piece from a cache:
+
+- op piece (op config): a forward and a backward task per part;
+- edge piece (producer config, consumer config): for each (producer
+  part, consumer part) whose rectangles intersect on different devices,
+  a forward transfer of the activation and a backward transfer of its
+  gradient, sized by the intersection, over the route's links; on one
+  device, a plain dependency;
+- family piece (configs of an owner op and the ops sharing its weights):
+  per weight shard, a ring all-reduce over the devices holding replicas
+  of it, then an update task on each of those devices; and the weight,
+  gradient and optimizer-slot memory.
+
+Tasks refer to other pieces' tasks as (op index, local index); `compile`
+resolves them. Every task has a canonical priority, unique and
+independent of build order, which breaks ties in the list scheduler so
+that a delta simulation gives bit for bit the full one's answer.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from flexflow_keras import partition
+from flexflow_keras.cost import CostModel
+from flexflow_keras.graph import Op, OpGraph
+from flexflow_keras.machine import MachineModel
+from flexflow_keras.strategy import ParallelConfig
+
+XFER_FWD, FWD, BWD, XFER_BWD, SYNC, UPDATE = range(6)
+KIND_NAMES = ("xfer", "fwd", "bwd", "xfer_grad", "allreduce", "update")
+SELF = -1  # op index of a reference into the piece's own tasks
+
+
+def priority(op_index: int, kind: int, a: int = 0, b: int = 0) -> int:
+    """Canonical tie-break: op order, then kind, then part numbers."""
+    return ((op_index * 8 + kind) << 44) | (a << 22) | b
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Tasks and dependencies of one piece, in local numbering.
+
+    Args:
+        durations_ms: Per task.
+        resources: Per task, device ids and `num_devices + link` ids.
+        priorities: Per task, canonical tie-break.
+        labels: Per task, (kind, op name, detail) for traces.
+        deps: (src op index, src local, dst op index, dst local); op
+            index `SELF` means this piece.
+        busy_ms: (device, ms) of compute tasks.
+        memory_bytes: (device, bytes) this piece keeps resident.
+        comm_bytes: Bytes moved over links.
+    """
+
+    durations_ms: tuple[float, ...] = ()
+    resources: tuple[tuple[int, ...], ...] = ()
+    priorities: tuple[int, ...] = ()
+    labels: tuple[tuple[int, str, str], ...] = ()
+    deps: tuple[tuple[int, int, int, int], ...] = ()
+    busy_ms: tuple[tuple[int, float], ...] = ()
+    memory_bytes: tuple[tuple[int, float], ...] = ()
+    comm_bytes: float = 0.0
+
+
+class _Builder:
+    """Collects one piece's tasks."""
+
+    def __init__(self):
+        self.dur, self.res, self.prio, self.labels = [], [], [], []
+        self.deps, self.busy, self.memory = [], [], []
+        self.comm = 0.0
+
+    def task(self, ms, resources, prio, label) -> int:
+        self.dur.append(ms)
+        self.res.append(resources)
+        self.prio.append(prio)
+        self.labels.append(label)
+        return len(self.dur) - 1
+
+    def piece(self) -> Piece:
+        return Piece(
+            tuple(self.dur), tuple(self.res), tuple(self.prio),
+            tuple(self.labels), tuple(self.deps), tuple(self.busy),
+            tuple(self.memory), self.comm,
+        )
+
+
+def op_piece(
+    op: Op, index: int, config: ParallelConfig, cost: CostModel
+) -> Piece:
+    """Forward and backward tasks of every part; saved activations."""
+    b = _Builder()
+    n = config.num_parts
+    saved = op.output_bytes / n  # each part keeps its output share
+    for i, device in enumerate(config.device_ids):
+        forward_ms, _ = cost.op_cost(op, config, device)
+        b.task(forward_ms, (device,), priority(index, FWD, i),
+               (FWD, op.name, f"part {i}"))
+        b.busy.append((device, forward_ms))
+        b.memory.append((device, saved))
+    for i, device in enumerate(config.device_ids):
+        _, backward_ms = cost.op_cost(op, config, device)
+        b.task(backward_ms, (device,), priority(index, BWD, i),
+               (BWD, op.name, f"part {i}"))
+        b.busy.append((device, backward_ms))
+        b.deps.append((SELF, i, SELF, n + i))
+    return b.piece()
+
+
+def edge_piece(
+    machine: MachineModel,
+    producer: Op,
+    producer_index: int,
+    producer_config: ParallelConfig,
+    consumer: Op,
+    consumer_index: int,
+    consumer_config: ParallelConfig,
+    input_index: int,
+) -> Piece:
+    """Transfers (or plain dependencies) for one consumer input."""
+    b = _Builder()
+    tensor = consumer.inputs[input_index]
+    output = producer.outputs.index(tensor)
+    itemsize = np.dtype(producer.dtype).itemsize
+    held = partition.tensor_rects(producer, output, producer_config)
+    needs = [
+        partition.input_region(consumer, input_index, rect)
+        for rect in partition.part_rects(
+            consumer.output_shape, consumer_config.dims
+        )
+    ]
+    n_p, n_c = producer_config.num_parts, consumer_config.num_parts
+    p, c = producer_index, consumer_index
+    offset = machine.num_devices
+    for i, need in enumerate(needs):
+        dst = consumer_config.device_ids[i]
+        for j, have in enumerate(held):
+            common = None if have is None else partition.intersect(
+                have, need
+            )
+            if common is None:
+                continue
+            src = producer_config.device_ids[j]
+            if src == dst:
+                b.deps.append((p, j, c, i))
+                b.deps.append((c, n_c + i, p, n_p + j))
+                continue
+            num_bytes = partition.rect_size(common) * itemsize
+            a = (input_index << 12) | i
+            route = machine.route(src, dst)
+            t = b.task(
+                route.transfer_ms(num_bytes),
+                tuple(offset + k for k in route.links),
+                priority(c, XFER_FWD, a, j),
+                (XFER_FWD, consumer.name, f"{tensor} {src}->{dst}"),
+            )
+            b.deps += [(p, j, SELF, t), (SELF, t, c, i)]
+            back = machine.route(dst, src)
+            t = b.task(
+                back.transfer_ms(num_bytes),
+                tuple(offset + k for k in back.links),
+                priority(c, XFER_BWD, a, j),
+                (XFER_BWD, consumer.name, f"{tensor} {dst}->{src}"),
+            )
+            b.deps += [(c, n_c + i, SELF, t), (SELF, t, p, n_p + j)]
+            b.memory.append((dst, float(num_bytes)))
+            b.comm += 2.0 * num_bytes
+    return b.piece()
+
+
+def ring_allreduce_ms(
+    machine: MachineModel, devices: tuple[int, ...], num_bytes: float
+) -> tuple[float, tuple[int, ...]]:
+    """Ring all-reduce time (ms) over `devices` and the links it holds.
+
+    2(p-1) steps, each moving bytes/p over every ring hop at once; a step
+    lasts as long as its slowest hop (latency + bytes/p / bandwidth).
+    """
+    p = len(devices)
+    ring = sorted(devices)
+    routes = [machine.route(ring[k], ring[(k + 1) % p]) for k in range(p)]
+    step_ms = max(r.transfer_ms(num_bytes / p) for r in routes)
+    links = sorted({k for r in routes for k in r.links})
+    return 2 * (p - 1) * step_ms, tuple(links)
+
+
+def _family_groups(
+    family: list[tuple[Op, int, ParallelConfig]],
+) -> list[tuple[int, float, dict[int, list[tuple[int, int]]]]]:
+    """Weight-sync groups: (group id, bytes, device -> [(op idx, part)]).
+
+    The owner (first) fixes the shards; a sharing op's part joins every
+    shard group whose interval of the parameter dim meets its own.
+    """
+    owner, _, owner_config = family[0]
+    degree = partition.parameter_degree(owner, owner_config)
+    sharded, replicated = partition.weight_split(owner, degree)
+    groups = []
+    if sharded > 0:
+        for shard in range(degree):
+            groups.append((shard, sharded, {}, (shard, shard + 1, degree)))
+    if replicated > 0:
+        groups.append((degree, replicated, {}, None))
+    for op, index, config in family:
+        deg = partition.parameter_degree(op, config)
+        coords = partition.shard_coords(op, config)
+        for part, device in enumerate(config.device_ids):
+            lo, hi = coords[part], coords[part] + 1
+            for _, _, members, span in groups:
+                if span is not None and (
+                    lo * span[2] >= span[1] * deg
+                    or hi * span[2] <= span[0] * deg
+                ):
+                    continue
+                members.setdefault(device, []).append((index, part))
+    return [(g, size, members) for g, size, members, _ in groups]
+
+
+def family_piece(
+    machine: MachineModel,
+    cost: CostModel,
+    family: list[tuple[Op, int, ParallelConfig]],
+    slots: int,
+) -> Piece:
+    """Weight sync and updates of an owner op and its sharers."""
+    b = _Builder()
+    owner, owner_index, _ = family[0]
+    parts = {index: config.num_parts for _, index, config in family}
+    for group, size, members in _family_groups(family):
+        devices = tuple(sorted(members))
+        sources = [(i, parts[i] + k) for d in devices for i, k in members[d]]
+        sync = None
+        if len(devices) > 1:
+            ms, links = ring_allreduce_ms(machine, devices, size)
+            offset = machine.num_devices
+            sync = b.task(
+                ms, tuple(offset + k for k in links),
+                priority(owner_index, SYNC, group),
+                (SYNC, owner.name, f"shard {group} over {devices}"),
+            )
+            b.deps += [(i, k, SELF, sync) for i, k in sources]
+            b.comm += 2.0 * (len(devices) - 1) * size
+        for device in devices:
+            ms = cost.update_ms(size, slots, device)
+            t = b.task(
+                ms, (device,), priority(owner_index, UPDATE, group, device),
+                (UPDATE, owner.name, f"shard {group}"),
+            )
+            b.busy.append((device, ms))
+            b.memory.append((device, size * (2 + slots)))
+            if sync is None:
+                b.deps += [(i, k, SELF, t) for i, k in sources]
+            else:
+                b.deps.append((SELF, sync, SELF, t))
+    for op, _, config in family:
+        degree = partition.parameter_degree(op, config)
+        frozen = partition.frozen_weight_bytes(op, degree)
+        if frozen and op is owner:
+            b.memory += [(d, frozen) for d in config.device_ids]
+    return b.piece()
+
+
+def families(graph: OpGraph) -> dict[str, list[str]]:
+    """Owner op name -> [owner, sharers...] for ops with weights."""
+    found: dict[str, list[str]] = {}
+    for op in graph:
+        if op.shares_weights_with:
+            found.setdefault(op.shares_weights_with, []).append(op.name)
+        elif op.weights:
+            found.setdefault(op.name, []).insert(0, op.name)
+    return found
