@@ -182,9 +182,10 @@ def cmd_simulate(args: argparse.Namespace, out: Any) -> int:
         f"{base.step_ms / result.step_ms:.2f}x)",
         file=out,
     )
-    print(f"Feasible: {result.feasible}; peak memory per device: "
-          f"{result.peak_memory_bytes / 2**20:.1f} MiB; "
-          f"bytes moved: {result.comm_bytes / 2**20:.1f} MiB", file=out)
+    peak = max(result.peak_memory_bytes, default=0)
+    print(f"Fits in memory: {'yes' if result.feasible else 'NO'}; peak "
+          f"memory of a device: {peak / 2**20:.1f} MiB; bytes over links: "
+          f"{result.comm_bytes / 2**20:.1f} MiB", file=out)
     if args.trace:
         _write_trace(sim, strategy, args.trace)
         print(f"Trace written to {args.trace} (open in chrome://tracing "
@@ -193,15 +194,9 @@ def cmd_simulate(args: argparse.Namespace, out: Any) -> int:
 
 
 def _write_trace(sim: Any, strategy: Any, path: str) -> None:
-    for name in ("export_trace", "write_trace", "trace"):
-        method = getattr(sim, name, None)
-        if method is not None:
-            method(strategy, path)
-            return
-    raise ValueError(
-        "This simulator cannot write a trace (no `export_trace`). "
-        "Run without `--trace`."
-    )
+    from flexflow_keras import trace
+
+    trace.write_trace(path, sim.timeline(strategy))
 
 
 COMMANDS = {"search": cmd_search, "show": cmd_show, "simulate": cmd_simulate}

@@ -4,7 +4,9 @@ Starts from data parallelism. Each iteration picks a random op and a
 random valid config for it (`search_space.random_config`), scores the
 changed strategy with the simulator's delta simulation, and accepts it if
 faster, else with probability `exp(-alpha * (next_ms - cur_ms))`; the
-best strategy seen is kept. Infeasible proposals (over a device's
+best strategy seen is kept. As in FlexFlow's `FFModel::optimize`, the
+chain restarts from the best strategy every `budget / 100` iterations
+(at least 1, at most 1000). Infeasible proposals (over a device's
 memory) are rejected. Ctrl-C ends the search early and keeps the best.
 
 Python only: the simulator is any object with FlexFlow's interface,
@@ -76,6 +78,7 @@ def search(
     verbose: int = 1,
     initial: Strategy | None = None,
     print_fn: Callable[[str], None] | None = None,
+    reset_every: int | None = None,
 ) -> SearchResult:
     """Runs FlexFlow's MCMC search for `budget` iterations.
 
@@ -93,6 +96,9 @@ def search(
             iterations and the best strategy at the end.
         initial: Start strategy; data parallelism when None.
         print_fn: Where lines go; `print` when None.
+        reset_every: Restart the chain from the best strategy every this
+            many iterations; None: FlexFlow's `budget // 100` clipped to
+            1..1000; 0: never.
 
     Returns:
         A `SearchResult`.
@@ -117,11 +123,17 @@ def search(
         data_parallel_ms = _ms(simulator.simulate(data_parallel))
         cur_ms = _ms(simulator.start(current))
     best, best_ms = current, cur_ms
+    if reset_every is None:
+        reset_every = min(max(budget // 100, 1), 1000)
     ops = graph.ops
     accepted = iteration = 0
     interrupted = False
     try:
         for iteration in range(1, budget + 1):
+            if reset_every and iteration % reset_every == 0 and (
+                current is not best
+            ):
+                current, cur_ms = best, _ms(simulator.start(best))
             op = ops[rng.randrange(len(ops))]
             config = random_config(op, num_devices, rng)
             next_ms = cur_ms

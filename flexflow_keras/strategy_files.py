@@ -10,8 +10,9 @@ file, nor a flipped digit from a different strategy. So ours start with a
 header that FlexFlow's reader skips as unknown fields: fields 15 and 16 of
 `Strategy`, the op count and a CRC-32 of the ops. A file whose header
 disagrees with its ops is reported as truncated or corrupt; a file
-without it (written by FlexFlow) is read as is. The text form says the same in a
-first `# flexflow_keras strategy: N ops` comment line.
+without it (written by FlexFlow) is read as is. The text form states
+its op count in a first `# flexflow_keras strategy: N ops` comment line
+(no checksum: people edit text files).
 
 Reading validates against the model and the machine and names the
 offending op; ops missing from a file take data parallelism, with one

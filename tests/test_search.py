@@ -139,10 +139,41 @@ class SearchTest(unittest.TestCase):
 
     def test_uses_delta_simulation(self):
         simulator = FakeSimulator(self.graph)
-        result = self.run_search(budget=200, simulator=simulator)
+        result = self.run_search(budget=200, simulator=simulator,
+                                 reset_every=0)
         self.assertEqual(simulator.calls["start"], 1)
         self.assertLessEqual(simulator.calls["propose"], 200)
         self.assertEqual(simulator.calls["accept"], result.accepted)
+
+    def test_restarts_from_best_every_budget_over_100(self):
+        class Recording(FakeSimulator):
+            def start(inner, strategy):
+                starts.append(strategy)
+                return super().start(strategy)
+
+            def propose(inner, name, config):
+                result = super().propose(name, config)
+                seen.append(result.step_ms)
+                return result
+
+        starts, seen = [], []
+        original = Recording.start
+
+        def start(inner, strategy):
+            # Every restart resumes from the best strategy seen so far.
+            if starts:
+                first = inner.cost(starts[0]).step_ms
+                self.assertAlmostEqual(inner.cost(strategy).step_ms,
+                                       min([first, *seen]))
+            return original(inner, strategy)
+
+        Recording.start = start
+        result = self.run_search(budget=1000, alpha=0.0,
+                                 simulator=Recording(self.graph))
+        self.assertGreater(len(starts), 1)
+        self.assertLessEqual(len(starts), 1 + 1000 // 10)
+        self.assertEqual(result.best_ms, min([result.data_parallel_ms,
+                                              *seen]))
 
     def test_rejects_infeasible_proposals(self):
         dense = self.graph.op("dense_1")
