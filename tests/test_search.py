@@ -267,3 +267,26 @@ class StrategyTableTest(unittest.TestCase):
                          r"parameter=2\s+3,1\s+0.250")
         self.assertTrue(all(len(line) <= 98 for line in lines))
         self.assertNotIn("Time", search_lib.strategy_table(graph, strategy))
+
+
+class RealSimulatorTest(unittest.TestCase):
+    """The same optimum check against the package's own simulator."""
+
+    def test_matches_exhaustive_optimum_real_simulator(self):
+        from flexflow_keras.machine import machine_from_dict
+        from flexflow_keras.simulator import Simulator
+
+        machine = machine_from_dict({
+            "name": "v100x2",
+            "devices_per_node": 2,
+            "device": {"kind": "V100", "peak_tflops": 15.7,
+                       "memory_gib": 16, "memory_gbps": 900},
+            "intra_node": {"kind": "nvlink", "bandwidth_gbps": 50,
+                           "latency_us": 2},
+        })
+        graph = mlp_graph(batch=16, units=(1024, 1024, 16), features=1024)
+        optimum = exhaustive_optimum(graph, Simulator(graph, machine), 2)
+        result = search_lib.search(graph, Simulator(graph, machine), 2,
+                                   1000, seed=0, verbose=0)
+        self.assertAlmostEqual(result.best_ms, optimum, places=9)
+        self.assertLess(optimum, result.data_parallel_ms)
