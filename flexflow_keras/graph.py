@@ -351,10 +351,10 @@ class _GraphBuilder:
             shape[0] = self.batch_size
         if any(d is None for d in shape):
             raise ValueError(
-                f"Tensor of '{where}' has an unknown dimension: shape="
-                f"{tuple(kt.shape)}. The search needs static shapes; give "
-                "`keras.Input` a full `shape=` (only the batch dim may be "
-                "None)."
+                f"Tensor of '{where}' has an unknown dimension; the search "
+                "needs static shapes. Received: shape="
+                f"{tuple(kt.shape)}. Give `keras.Input` a full `shape=` "
+                "(only the batch dim may be None)."
             )
         return tuple(int(d) for d in shape)
 
