@@ -334,8 +334,10 @@ def machine_from_dict(
 
 
 def _link_group(where: str, d: dict[str, Any]) -> LinkGroup:
-    _check_keys(where, d, _LINK_KEYS, _LINK_KEYS)
-    kind = "nic" if where == "inter_node" else str(d["kind"])
+    inter = where == "inter_node"
+    _check_keys(where, d, _LINK_KEYS, _LINK_KEYS - ({"kind"} if inter
+                                                      else set()))
+    kind = "nic" if inter else str(d["kind"])
     return LinkGroup(
         kind, float(d["bandwidth_gbps"]), _us(float(d["latency_us"]))
     )
