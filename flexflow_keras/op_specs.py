@@ -39,12 +39,22 @@ Counting convention (`flops_exact=True` means exact under these rules):
   are not counted.
 - RNN cells per step and sample: the gate matmuls as Dense, plus 13U
   (LSTM) / 11U (GRU) / 2U (SimpleRNN) gate arithmetic in each direction.
+
+Partitioning: the runtime (DTensor) must execute every split declared
+here. Dim 0 is always `sample`. Spatial dims of convolutions, pooling and
+BatchNormalization are never split (DTensor has no halo exchange off
+TPU); sequence dims are `attribute` where each position is independent
+(Dense, Embedding, LayerNormalization, attention queries, elementwise
+ops). `parameter` is the output-channel dim whose split shards weights
+(Dense units, channels-last Conv filters, Embedding width, BatchNorm
+channels). RNNs, reshapes, unknown ops and ops with several outputs are
+split by sample only; an output without the batch dim not at all.
 """
 
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from flexflow_keras.graph import ATTRIBUTE, PARAMETER, SAMPLE
 
@@ -55,6 +65,15 @@ SOFTMAX_FLOPS = (5, 4)  # per element: forward, backward
 DROPOUT_FLOPS = (2, 1)
 NORM_FLOPS = (6, 7)  # statistics + normalize; scale/center extra
 RMS_NORM_FLOPS = (3, 5)
+
+
+class _Call(NamedTuple):
+    """What a rule sees of one layer call (see `describe`)."""
+
+    layer: Any
+    ins: Shapes
+    outs: Shapes
+    arguments: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +120,7 @@ def describe(
     input_shapes = tuple(tuple(s) for s in input_shapes)
     output_shapes = tuple(tuple(s) for s in output_shapes)
     rule = _RULES.get(type(layer).__name__, _opaque)
-    spec = rule(layer, input_shapes, output_shapes, arguments)
+    spec = rule(_Call(layer, input_shapes, output_shapes, arguments))
     return _restrict(spec, input_shapes, output_shapes, arguments)
 
 
@@ -172,12 +191,18 @@ def _activation_flops(fn: Any) -> tuple[int, int]:
     return (1, 1)
 
 
-def _spec(forward: float, backward: float, kinds, axes=None) -> OpSpec:
+def _spec(
+    forward: float,
+    backward: float,
+    kinds: Mapping[int, str],
+    axes: Mapping[str, int] | None = None,
+) -> OpSpec:
     return OpSpec(float(forward), float(backward), True, kinds, axes or {})
 
 
-def _opaque(layer, ins, outs, arguments) -> OpSpec:
+def _opaque(call: _Call) -> OpSpec:
     """Estimate: 2 FLOPs per weight per sample, or 1 per output element."""
+    layer, ins, outs, arguments = call
     batch = outs[0][0] if outs and outs[0] else 1
     params = sum(math.prod(v.shape) for v in getattr(layer, "weights", ()))
     forward = 2.0 * params * batch
@@ -185,7 +210,8 @@ def _opaque(layer, ins, outs, arguments) -> OpSpec:
     return OpSpec(forward, 2.0 * forward, False, {0: SAMPLE})
 
 
-def _dense(layer, ins, outs, arguments) -> OpSpec:
+def _dense(call: _Call) -> OpSpec:
+    layer, ins, outs, arguments = call
     out = outs[0]
     n = math.prod(out)
     matmul = 2 * n * ins[0][-1]
@@ -200,8 +226,9 @@ def _dense(layer, ins, outs, arguments) -> OpSpec:
     )
 
 
-def _conv(layer, ins, outs, arguments) -> OpSpec:
+def _conv(call: _Call) -> OpSpec:
     """Conv1D/2D/3D; strides, padding and dilation act via the output."""
+    layer, ins, outs, arguments = call
     out, x = outs[0], ins[0]
     channels_last = layer.data_format == "channels_last"
     groups = getattr(layer, "groups", 1)
@@ -256,7 +283,8 @@ def _pool_flops(
     return window, window + outputs
 
 
-def _pooling(layer, ins, outs, arguments) -> OpSpec:
+def _pooling(call: _Call) -> OpSpec:
+    layer, ins, outs, arguments = call
     x, out = ins[0], outs[0]
     channels_last = layer.data_format == "channels_last"
     spatial = slice(1, -1) if channels_last else slice(2, None)
@@ -273,7 +301,8 @@ def _pooling(layer, ins, outs, arguments) -> OpSpec:
     return _spec(fwd, bwd, _dims(len(out), attribute))
 
 
-def _global_pooling(layer, ins, outs, arguments) -> OpSpec:
+def _global_pooling(call: _Call) -> OpSpec:
+    layer, ins, outs, arguments = call
     x, out = ins[0], outs[0]
     channels_last = layer.data_format == "channels_last"
     outputs = math.prod(out)
@@ -284,12 +313,15 @@ def _global_pooling(layer, ins, outs, arguments) -> OpSpec:
     return _spec(fwd, bwd, _dims(len(out), (channel_dim,)))
 
 
-def _norm_flops(n: int, rms: bool, scale: bool, center: bool):
+def _norm_flops(
+    n: int, rms: bool, scale: bool, center: bool
+) -> tuple[int, int]:
     fwd, bwd = RMS_NORM_FLOPS if rms else NORM_FLOPS
     return n * (fwd + scale + center), n * (bwd + 2 * scale + center)
 
 
-def _batch_norm(layer, ins, outs, arguments) -> OpSpec:
+def _batch_norm(call: _Call) -> OpSpec:
+    layer, ins, outs, arguments = call
     out = outs[0]
     fwd, bwd = _norm_flops(
         math.prod(out), False, bool(layer.scale), bool(layer.center)
@@ -301,7 +333,8 @@ def _batch_norm(layer, ins, outs, arguments) -> OpSpec:
     return _spec(fwd, bwd, _dims(len(out), parameter=len(out) - 1), axes)
 
 
-def _layer_norm(layer, ins, outs, arguments) -> OpSpec:
+def _layer_norm(call: _Call) -> OpSpec:
+    layer, ins, outs, arguments = call
     out = outs[0]
     rank = len(out)
     axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [
@@ -318,7 +351,8 @@ def _layer_norm(layer, ins, outs, arguments) -> OpSpec:
     return _spec(fwd, bwd, _dims(rank, middle))
 
 
-def _embedding(layer, ins, outs, arguments) -> OpSpec:
+def _embedding(call: _Call) -> OpSpec:
+    layer, ins, outs, arguments = call
     out = outs[0]
     kinds = _dims(len(out), range(1, len(out) - 1), len(out) - 1)
     return _spec(
@@ -349,8 +383,9 @@ def _projection_flops(sublayer: Any, rows: int) -> tuple[int, int]:
     return 2 * macs + bias_flops, 4 * macs + bias_flops
 
 
-def _attention(layer, ins, outs, arguments) -> OpSpec:
+def _attention(call: _Call) -> OpSpec:
     """MultiHeadAttention; query, value, key told apart via `arguments`."""
+    layer, ins, outs, arguments = call
     batch = outs[0][0]
     query = _call_arg(arguments, 0, "query")
     value = _call_arg(arguments, 1, "value")
@@ -401,8 +436,9 @@ _RNN_GATES = {"SimpleRNN": 1, "GRU": 3, "LSTM": 4}
 _RNN_ELEMENTWISE = {"SimpleRNN": 2, "GRU": 11, "LSTM": 13}
 
 
-def _rnn(layer, ins, outs, arguments) -> OpSpec:
+def _rnn(call: _Call) -> OpSpec:
     """SimpleRNN / GRU / LSTM over a (batch, steps, features) input."""
+    layer, ins, outs, arguments = call
     kind = type(layer).__name__
     x = ins[0]
     cell = layer.cell
@@ -453,13 +489,14 @@ def _elementwise_dims(out: Shape) -> dict[int, str]:
     return _dims(len(out), range(1, len(out)))
 
 
-def _merge(layer, ins, outs, arguments) -> OpSpec:
+def _merge(call: _Call) -> OpSpec:
     """Merge layers over k inputs, and the same-named binary `keras.ops`."""
+    layer, ins, outs, arguments = call
     kind = type(layer).__name__
     n = math.prod(outs[0])
     if not _is_layer(layer):
         if kind not in _BINARY_BACKWARD:  # ops.average is a reduction
-            return _opaque(layer, ins, outs, arguments)
+            return _opaque(call)
         bwd = sum(
             _BINARY_BACKWARD[kind][i]
             for i in _tensor_positions(arguments, len(ins))
@@ -479,14 +516,16 @@ def _softmax_dims(axis: Any, out: Shape) -> dict[int, str]:
     return _dims(len(out), [d for d in range(1, len(out)) if d not in skip])
 
 
-def _softmax(layer, ins, outs, arguments) -> OpSpec:
+def _softmax(call: _Call) -> OpSpec:
+    layer, ins, outs, arguments = call
     n = math.prod(outs[0])
     fwd, bwd = SOFTMAX_FLOPS
     return _spec(fwd * n, bwd * n, _softmax_dims(layer.axis, outs[0]))
 
 
-def _activation(layer, ins, outs, arguments) -> OpSpec:
+def _activation(call: _Call) -> OpSpec:
     """Activation layers and unary `keras.ops`: elementwise."""
+    layer, ins, outs, arguments = call
     out = outs[0]
     n = math.prod(out)
     fn = getattr(layer, "activation", None)
@@ -496,28 +535,32 @@ def _activation(layer, ins, outs, arguments) -> OpSpec:
     return _spec(fwd * n, bwd * n, _elementwise_dims(out))
 
 
-def _dropout(layer, ins, outs, arguments) -> OpSpec:
+def _dropout(call: _Call) -> OpSpec:
+    layer, ins, outs, arguments = call
     n = math.prod(outs[0])
     fwd, bwd = DROPOUT_FLOPS if layer.rate > 0 else (0, 0)
     return _spec(fwd * n, bwd * n, _elementwise_dims(outs[0]))
 
 
-def _concatenate(layer, ins, outs, arguments) -> OpSpec:
+def _concatenate(call: _Call) -> OpSpec:
+    layer, ins, outs, arguments = call
     out = outs[0]
     axis = layer.axis % len(out)
     keep = [d for d in range(1, len(out)) if d != axis]
     return _spec(0, 0, _dims(len(out), keep))
 
 
-def _data_movement(layer, ins, outs, arguments) -> OpSpec:
+def _data_movement(call: _Call) -> OpSpec:
     """Reshape, Flatten, padding, cropping: no arithmetic."""
+    layer, ins, outs, arguments = call
     return _spec(0, 0, _dims(len(outs[0])))
 
 
-def _matmul(layer, ins, outs, arguments) -> OpSpec:
+def _matmul(call: _Call) -> OpSpec:
     """`keras.ops.matmul` of two tensors of rank >= 2."""
+    layer, ins, outs, arguments = call
     if len(ins) != 2 or min(len(s) for s in ins) < 2:
-        return _opaque(layer, ins, outs, arguments)
+        return _opaque(call)
     macs = math.prod(outs[0]) * ins[0][-1]
     return _spec(2 * macs, 4 * macs, _dims(len(outs[0])))
 
@@ -554,7 +597,8 @@ def _rules() -> dict[str, Callable[..., OpSpec]]:
     ).split():
         rules[name] = _activation
     for name in (
-        "Reshape Flatten Permute RepeatVector Identity ExpandDims Squeeze"
+        "Reshape Flatten Permute RepeatVector Identity ExpandDims Squeeze "
+        "GetItem Cast"
     ).split():
         rules[name] = _data_movement
     return rules
