@@ -35,6 +35,7 @@ DEFAULT_CACHE_PATH = os.path.join(
     os.path.expanduser("~"), ".cache", "flexflow_keras", "op_costs.json"
 )
 _CHANNEL_KEYS = ("units", "filters", "output_dim")
+_GATHERS = ("Embedding",)  # read only the looked-up rows of their weights
 
 
 class CostModel:
@@ -193,7 +194,10 @@ def analytic_op_ms(
     sharded, replicated = partition.weight_split(op, degree)
     frozen = partition.frozen_weight_bytes(op, degree)
     moved = itemsize * (sum(map(math.prod, ins)) + math.prod(out))
-    moved += sharded + replicated + frozen
+    if op.type in _GATHERS:
+        moved += itemsize * math.prod(out)  # only the rows looked up
+    else:
+        moved += sharded + replicated + frozen
     per_ms_bytes = spec.memory_gbps * 1e6
     per_ms_flops = spec.peak_flops / 1e3
     forward = max(op.forward_flops / parts / per_ms_flops,

@@ -1,0 +1,96 @@
+"""Cost model: roofline figures by hand; measured costs cached on disk."""
+
+import os
+import tempfile
+import unittest
+
+import model_zoo
+
+from flexflow_keras.cost import (
+    CostModel, analytic_cost_model, cache_key, measured_cost_model,
+    shard_shapes,
+)
+from flexflow_keras.graph import build_graph
+from flexflow_keras.machine import DeviceSpec, load_machine
+from flexflow_keras.strategy import ParallelConfig
+
+# 1 TFLOP/s = 1e9 FLOP per ms; 1 GB/s = 1e6 bytes per ms.
+SPEC = DeviceSpec("T", 0, 1e12, 2**30, 1.0, launch_overhead_ms=0.01)
+
+
+def dense_op(batch=64, features=256, units=512):
+    import keras
+
+    x = keras.Input((features,), name="x")
+    y = keras.layers.Dense(units, name="d")(x)
+    return build_graph(keras.Model(x, y), batch).op("d")
+
+
+class AnalyticTest(unittest.TestCase):
+    def test_compute_bound_dense(self):
+        op = dense_op(batch=64, features=256, units=512)
+        cost = CostModel(load_machine("v100x4"), mode="analytic")
+        spec = DeviceSpec("T", 0, 1e12, 2**30, 1e6, 0.01)  # huge bandwidth
+        forward, backward = cost.op_cost(op, ParallelConfig((1, 1), (0,)),
+                                         spec)
+        self.assertAlmostEqual(forward, op.forward_flops / 1e9 + 0.01)
+        self.assertAlmostEqual(backward, op.backward_flops / 1e9 + 0.02)
+
+    def test_memory_bound_dense_counts_shard_bytes(self):
+        op = dense_op(batch=64, features=256, units=512)
+        cost = CostModel(load_machine("v100x4"), mode="analytic")
+        config = ParallelConfig((2, 2), (0, 1, 2, 3))
+        ins, out = shard_shapes(op, config)
+        self.assertEqual(ins, ((32, 256),))  # all features, half the batch
+        self.assertEqual(out, (32, 256))
+        moved = 4 * (32 * 256 + 32 * 256 + (256 * 512 + 512) / 2)
+        forward, backward = cost.op_cost(op, config, SPEC)
+        self.assertAlmostEqual(forward, moved / 1e6 + 0.01)
+        self.assertAlmostEqual(backward, 2 * moved / 1e6 + 0.02)
+
+    def test_more_parts_cost_less_each(self):
+        op = dense_op()
+        cost = analytic_cost_model(load_machine("p100x16"))
+        one = cost.op_cost(op, ParallelConfig((1, 1), (0,)), 0)
+        four = cost.op_cost(op, ParallelConfig((4, 1), (0, 1, 2, 3)), 0)
+        self.assertLess(four[0], one[0])
+
+    def test_update_reads_and_writes_slots(self):
+        cost = analytic_cost_model(load_machine("v100x4"))
+        self.assertAlmostEqual(cost.update_ms(1e6, 2, SPEC),
+                               0.01 + 7e6 / 1e6)
+
+    def test_unknown_mode(self):
+        with self.assertRaisesRegex(ValueError, "Received: mode='exact'"):
+            CostModel(load_machine("v100x4"), mode="exact")
+
+
+class MeasuredTest(unittest.TestCase):
+    def test_second_compile_measures_nothing(self):
+        graph = build_graph(model_zoo.mlp(), 16)
+        config = ParallelConfig((1, 2), (0, 1))
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "costs.json")
+            first = measured_cost_model(path, load_machine(None))
+            first.warmup, first.repeats = 1, 3
+            costs = [first.op_cost(op, config, 0) for op in graph]
+            self.assertEqual(first.num_measured, len(graph))
+            self.assertTrue(all(f > 0 and b >= 0 for f, b in costs))
+            again = measured_cost_model(path, load_machine(None))
+            self.assertEqual([again.op_cost(op, config, 0) for op in graph],
+                             costs)
+            self.assertEqual(again.num_measured, 0)
+
+    def test_key_names_shard_shape_dtype_and_device_kind(self):
+        op = dense_op(batch=64, features=256, units=512)
+        key = cache_key(op, ParallelConfig((1, 2), (0, 1)), "V100")
+        self.assertIn("[[64, 256]], [64, 256], \"float32\", \"V100\"", key)
+        self.assertIn('"units": 256', key)  # the shard's clone
+
+    def test_live_machine_defaults_to_measured(self):
+        self.assertEqual(CostModel(load_machine(None)).mode, "measured")
+        self.assertEqual(CostModel(load_machine("v100x4")).mode, "analytic")
+
+
+if __name__ == "__main__":
+    unittest.main()
