@@ -41,13 +41,16 @@ Counting convention (`flops_exact=True` means exact under these rules):
   (LSTM) / 11U (GRU) / 2U (SimpleRNN) gate arithmetic in each direction.
 
 Partitioning: the runtime (DTensor) must execute every split declared
-here. Dim 0 is always `sample`. Spatial dims of convolutions, pooling and
-BatchNormalization are never split (DTensor has no halo exchange off
-TPU); sequence dims are `attribute` where each position is independent
-(Dense, Embedding, LayerNormalization, attention queries, elementwise
-ops). `parameter` is the output-channel dim whose split shards weights
-(Dense units, channels-last Conv filters, Embedding width, BatchNorm
-channels). RNNs, reshapes, unknown ops and ops with several outputs are
+here, so only splits DTensor runs natively are declared (checked in
+tests/test_graph.py). Dim 0 is always `sample`. Sequence dims are
+`attribute` where positions are independent (Dense, Embedding,
+LayerNormalization, attention queries, elementwise ops, softmax and
+concatenation off their axes). `parameter` is the output-channel dim
+whose split shards weights: Dense units, Embedding width, BatchNorm
+channels. Convolutions and (non-global) pooling are split by sample
+only: DTensor needs a replicated conv filter, has no halo exchange off
+TPU, and its pooling accepts only batch splits. Global pooling splits
+channels. RNNs, reshapes, unknown ops and ops with several outputs are
 split by sample only; an output without the batch dim not at all.
 """
 
@@ -241,24 +244,13 @@ def _conv(call: _Call) -> OpSpec:
     matmul = 2 * n * taps
     bias = n if layer.use_bias else 0
     act_fwd, act_bwd = _activation_flops(layer.activation)
-    # Spatial dims stay whole: DTensor has no halo exchange off TPU. A
-    # grouped conv split by filters would need its inputs split by group.
-    splittable = (
-        channels_last
-        and groups == 1
-        and not type(layer).__name__.startswith("Depthwise")
-    )
-    kinds = _dims(len(out), parameter=len(out) - 1 if splittable else None)
-    axes = (
-        _axes_by_name(layer, kernel=len(layer.kernel_size) + 1, bias=0)
-        if splittable
-        else {}
-    )
+    # Sample only (measured, TF 2.21 DTensor on CPU): a split spatial dim
+    # needs a halo exchange ("only supported on TPU"), and a split filter
+    # fails ("Filter for convolution must have fully replicated layout").
     return _spec(
         matmul + bias + act_fwd * n,
         2 * matmul + bias + act_bwd * n,
-        kinds,
-        axes,
+        _dims(len(out)),
     )
 
 
@@ -297,8 +289,10 @@ def _pooling(call: _Call) -> OpSpec:
     fwd, bwd = _pool_flops(
         type(layer).__name__.startswith("Max"), window, math.prod(out)
     )
-    attribute = (len(out) - 1,) if channels_last else ()
-    return _spec(fwd, bwd, _dims(len(out), attribute))
+    # Sample only: DTensor's MaxPool/AvgPool expanders accept nothing but
+    # batch-parallel layouts (measured, TF 2.21 CPU); global pooling is a
+    # reduction and splits channels fine.
+    return _spec(fwd, bwd, _dims(len(out)))
 
 
 def _global_pooling(call: _Call) -> OpSpec:

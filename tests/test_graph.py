@@ -203,13 +203,8 @@ class CnnGraphTest(GraphAssertions):
         )
         self.assertEqual(graph.op("dw").partitionable, {0: SAMPLE})
 
-    def test_conv_splits_filters_but_never_spatial_dims(self):
-        op = build_graph(model_zoo.cnn(), BATCH).op("conv_0")
-        self.assertEqual(op.partitionable, {0: SAMPLE, 3: PARAMETER})
-        axes = {w.path: w.shard_axis for w in op.weights}
-        self.assertEqual(axes, {"conv_0/kernel": 3, "conv_0/bias": 0})
-
-    def test_channels_first_and_grouped_conv_are_sample_only(self):
+    def test_conv_is_sample_only(self):
+        # DTensor needs a replicated filter and cannot split spatial dims.
         inputs = keras.Input(shape=(4, 8, 8))
         first = keras.layers.Conv2D(
             6, 3, data_format="channels_first", name="first"
@@ -218,17 +213,19 @@ class CnnGraphTest(GraphAssertions):
             keras.layers.Permute((2, 3, 1))(inputs)
         )
         graph = build_graph(keras.Model(inputs, [first, grouped]), BATCH)
-        for name in ("first", "grouped"):
-            op = graph.op(name)
+        graph_cnn = build_graph(model_zoo.cnn(), BATCH)
+        for op in (graph.op("first"), graph.op("grouped"),
+                   graph_cnn.op("conv_0")):
             self.assertEqual(op.partitionable, {0: SAMPLE})
+            self.assertIsNone(op.parameter_dim)
             self.assertTrue(all(w.shard_axis is None for w in op.weights))
 
-    def test_max_pooling_flops_and_channel_attribute(self):
+    def test_max_pooling_flops_and_sample_only(self):
         op = build_graph(model_zoo.cnn(), BATCH).op("pool_0")
         outputs = BATCH * 8 * 8 * 8
         self.assertEqual(op.forward_flops, outputs * (4 - 1))  # 2x2 max
         self.assertEqual(op.backward_flops, outputs)
-        self.assertEqual(op.partitionable, {0: SAMPLE, 3: ATTRIBUTE})
+        self.assertEqual(op.partitionable, {0: SAMPLE})
 
     def test_same_average_pooling_counts_only_inner_window(self):
         inputs = keras.Input(shape=(4, 4, 3))
@@ -624,7 +621,9 @@ class ApplicationsGraphTest(GraphAssertions):
         ) / 2 / 2
         self.assertAlmostEqual(macs / 1e9, 3.8, delta=0.1)
         for op in graph:
-            if op.type == "Conv2D":
+            if op.type in ("Conv2D", "MaxPooling2D", "ZeroPadding2D"):
+                self.assertEqual(op.partitionable, {0: SAMPLE})
+            if op.type == "BatchNormalization":
                 self.assertEqual(op.partitionable, {0: SAMPLE, 3: PARAMETER})
 
     def test_inception_v3(self):
