@@ -36,6 +36,7 @@ from flexflow_keras import machine as machine_lib  # noqa: E402
 from flexflow_keras import search as search_lib  # noqa: E402
 from flexflow_keras import settings  # noqa: E402
 from flexflow_keras import simulator as simulator_lib  # noqa: E402
+from flexflow_keras import strategy_files  # noqa: E402
 from flexflow_keras.graph import build_graph  # noqa: E402
 from flexflow_keras.search_space import random_config  # noqa: E402
 from flexflow_keras.strategy import Strategy  # noqa: E402
@@ -198,6 +199,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(CASES))
     parser.add_argument("--show-strategy", action="store_true")
+    parser.add_argument("--export-dir", default=None,
+                        help="Write each MCMC strategy as "
+                        "<model>_<machine>.txt there.")
     args = parser.parse_args(argv)
     args.budget = flags.search_budget
     args.seed = 0 if flags.search_seed is None else flags.search_seed
@@ -209,6 +213,10 @@ def main(argv=None) -> int:
         print(format_rows([row], args.budget).splitlines()[-1], flush=True)
         if args.show_strategy:
             print(row["strategy"].to_text())
+        if args.export_dir:
+            path = os.path.join(args.export_dir,
+                                f"{name}_{row['machine']}.txt")
+            strategy_files.save_strategy(row["strategy"], path)
     print(format_rows(rows, args.budget))
     return 0
 

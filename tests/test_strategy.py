@@ -2,19 +2,35 @@
 
 import unittest
 
-import keras
-
-from flexflow_keras.graph import build_graph
+from flexflow_keras.graph import PARAMETER, SAMPLE, Op, OpGraph, TensorInfo
 from flexflow_keras.strategy import ParallelConfig, Strategy, validate_config
 
 
-def mlp_graph(batch: int = 8, units: tuple[int, ...] = (6, 6, 2)):
-    inputs = keras.Input(shape=(4,), name="x")
-    x = inputs
-    for i, n in enumerate(units):
-        x = keras.layers.Dense(n, name=f"dense_{i}")(x)
-    x = keras.layers.Activation("relu", name="relu")(x)
-    return build_graph(keras.Model(inputs, x), batch)
+def hand_graph(batch: int = 8) -> OpGraph:
+    """x (batch, 4) -> dense_0 (6) -> dense_1 (6) -> dense_2 (2) -> relu.
+
+    Built by hand so that the SOAP dims are fixed here, not by op_specs:
+    Dense may split sample and parameter dims, `relu` the sample dim only.
+    """
+    tensors = {"x": TensorInfo("x", (batch, 4), "float32")}
+    ops, prev = [], "x"
+    for name, units, split in (
+        ("dense_0", 6, {0: SAMPLE, 1: PARAMETER}),
+        ("dense_1", 6, {0: SAMPLE, 1: PARAMETER}),
+        ("dense_2", 2, {0: SAMPLE, 1: PARAMETER}),
+        ("relu", 2, {0: SAMPLE}),
+    ):
+        out = f"{name}:0"
+        tensors[out] = TensorInfo(out, (batch, units), "float32", name)
+        ops.append(Op(
+            name=name, type="Dense" if split.get(1) else "Activation",
+            inputs=(prev,), outputs=(out,),
+            input_shapes=(tensors[prev].shape,),
+            output_shapes=((batch, units),), dtype="float32",
+            partitionable=split,
+        ))
+        prev = out
+    return OpGraph(tuple(ops), tensors, ("x",), (prev,), batch)
 
 
 class ParallelConfigTest(unittest.TestCase):
@@ -42,7 +58,7 @@ class ParallelConfigTest(unittest.TestCase):
 class ValidateConfigTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.graph = mlp_graph()
+        cls.graph = hand_graph()
         cls.dense = cls.graph.op("dense_0")  # output (8, 6)
         cls.relu = cls.graph.op("relu")  # opaque: batch dim only
 
@@ -84,7 +100,7 @@ class ValidateConfigTest(unittest.TestCase):
 class StrategyTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.graph = mlp_graph()
+        cls.graph = hand_graph()
 
     def test_data_parallel_splits_batch_over_all_devices(self):
         strategy = Strategy.data_parallel(self.graph, 4)
