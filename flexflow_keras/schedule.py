@@ -1,120 +1,371 @@
 """List scheduling of a compiled task graph over serial resources.
 
-`compile_pieces` lays the pieces of `taskgraph` out in flat lists (the
-hot loop touches only lists of floats and ints). `Schedule.run` is
-event-driven list scheduling: the ready task with the earliest ready
-time (ties: lowest canonical priority) starts when all its resources
-(a device, or the links of a route or ring) are free, and holds them all
-until it ends. Durations are positive, so tasks leave the queue in
-increasing (ready time, priority) order; that order is what a delta
-re-run replays.
+`Compiled` lays the pieces of `taskgraph` out in flat lists with stable
+task ids: replacing a piece kills its ids and appends new ones, touching
+only the dependencies of the replaced pieces (copy on write), so a delta
+costs what it changes, not what the graph holds.
+
+`Schedule.run` is event-driven list scheduling: the ready task with the
+earliest ready time (ties: lowest canonical priority) starts when all
+its resources (a device, or the links of a route or ring) are free, and
+holds them until it ends. A task is pushed when its last predecessor
+ends, with a ready time no earlier than that predecessor's, so tasks
+leave the queue in non-decreasing ready time. Hence `rerun` may keep the
+old run's first k pops when each has a ready time below every changed
+task's earliest possible one (see `_restart_pops`), rebuild the state
+after them, and go on with the same loop: the result is bit for bit the
+one a run from scratch gives.
 """
 
+import bisect
+import gc
 import heapq
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
 
 from flexflow_keras.taskgraph import SELF, Piece
 
+DEAD = 1 << 60  # predecessor count of a killed task: never ready
+INF = float("inf")
+
+
+@contextmanager
+def no_gc() -> Iterator[None]:
+    """Pauses the cyclic GC: our lists hold no cycles, and collections
+    triggered by their allocation would double the run time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _rows(piece: Piece, num_devices: int) -> tuple[np.ndarray, np.ndarray]:
+    """(busy ms, memory bytes) per device of one piece, memoized on it."""
+    rows = piece.__dict__.get("_rows")
+    if rows is None:
+        busy = np.zeros(num_devices)
+        memory = np.zeros(num_devices)
+        for device, ms in piece.busy_ms:
+            busy[device] += ms
+        for device, num_bytes in piece.memory_bytes:
+            memory[device] += num_bytes
+        rows = (busy, memory)
+        object.__setattr__(piece, "_rows", rows)
+    return rows
+
 
 class Compiled:
-    """A task graph in flat lists.
+    """A task graph in flat lists indexed by stable task ids."""
 
-    Args:
-        pieces: The pieces, in slot order.
-        op_slots: Per op index, the slot of its op piece.
-    """
+    def __init__(self):
+        self.pieces: list[Piece] = []
+        self.op_slots: list[int] = []
+        self.slot_base: list[int] = []
+        self.dur: list[float] = []
+        self.res1: list[int] = []  # the one resource, or -1
+        self.resm: list[tuple[int, ...]] = []
+        self.prio: list[int] = []
+        self.succ: list[list[int]] = []
+        self.npred: list[int] = []
+        self.num_live = 0
+        self.busy: np.ndarray | None = None  # (slots, devices)
+        self.memory: np.ndarray | None = None
+        self.comm: np.ndarray | None = None  # (slots,)
+        # Filled by `replace`, read by `Schedule.rerun`:
+        self.killed: list[int] = []
+        self.touched: set[int] = set()
+        self.first_new = 0
+        self.new_deps: list[tuple[int, int]] = []
 
-    def __init__(self, pieces: list[Piece], op_slots: list[int]):
-        self.pieces = pieces
-        self.op_slots = op_slots
-        dur: list[float] = []
-        res: list[tuple[int, ...]] = []
-        prio: list[int] = []
-        bases: list[int] = []
-        for p in pieces:
-            bases.append(len(dur))
-            dur += p.durations_ms
-            res += p.resources
-            prio += p.priorities
-        n = len(dur)
-        op_base = [bases[s] for s in op_slots]
-        succ: list[list[int]] = [[] for _ in range(n)]
-        npred = [0] * n
-        for p, base in zip(pieces, bases):
-            for so, sl, do, dl in p.deps:
-                s = (base if so == SELF else op_base[so]) + sl
-                d = (base if do == SELF else op_base[do]) + dl
-                succ[s].append(d)
-                npred[d] += 1
-        self.dur, self.res, self.prio = dur, res, prio
-        self.succ, self.npred, self.bases = succ, npred, bases
-        self.busy_ms = [x for p in pieces for x in p.busy_ms]
-        self.memory_bytes = [x for p in pieces for x in p.memory_bytes]
-        self.comm_bytes = sum(p.comm_bytes for p in pieces)
+    @classmethod
+    def build(
+        cls, pieces: list[Piece], op_slots: list[int], num_devices: int
+    ) -> "Compiled":
+        g = cls()
+        g.pieces, g.op_slots = list(pieces), op_slots
+        g.slot_base = [0] * len(pieces)
+        for k, p in enumerate(pieces):
+            g._append(k, p)
+        for k, p in enumerate(pieces):
+            for s, d in g._deps(k, p):
+                g.succ[s].append(d)
+                g.npred[d] += 1
+        g.num_live = len(g.dur)
+        rows = [_rows(p, num_devices) for p in pieces]
+        g.busy = np.array([r[0] for r in rows]).reshape(-1, num_devices)
+        g.memory = np.array([r[1] for r in rows]).reshape(-1, num_devices)
+        g.comm = np.array([p.comm_bytes for p in pieces])
+        g.first_new = len(g.dur)
+        return g
 
     @property
     def num_tasks(self) -> int:
+        return self.num_live
+
+    @property
+    def num_ids(self) -> int:
         return len(self.dur)
 
-    def labels(self) -> list[tuple[int, str, str]]:
-        return [label for p in self.pieces for label in p.labels]
+    @property
+    def comm_bytes(self) -> float:
+        return float(self.comm.sum())
+
+    def busy_ms(self) -> np.ndarray:
+        return self.busy.sum(axis=0)
+
+    def memory_bytes(self) -> np.ndarray:
+        return self.memory.sum(axis=0)
+
+    def labels(self) -> dict[int, tuple[int, str, str]]:
+        """Task id -> label, live tasks only."""
+        return {
+            self.slot_base[k] + i: label
+            for k, p in enumerate(self.pieces)
+            for i, label in enumerate(p.labels)
+        }
+
+    def _append(self, k: int, p: Piece) -> None:
+        self.slot_base[k] = len(self.dur)
+        self.dur += p.durations_ms
+        self.prio += p.priorities
+        for res in p.resources:
+            self.res1.append(res[0] if len(res) == 1 else -1)
+            self.resm.append(res)
+            self.succ.append([])
+            self.npred.append(0)
+
+    def _deps(self, k: int, p: Piece) -> Iterator[tuple[int, int]]:
+        base, slots, op_slots = self.slot_base[k], self.slot_base, self.op_slots
+        for so, sl, do, dl in p.deps:
+            s = (base if so == SELF else slots[op_slots[so]]) + sl
+            d = (base if do == SELF else slots[op_slots[do]]) + dl
+            yield s, d
 
     def replace(
         self, pieces: list[Piece], changed: tuple[int, ...]
     ) -> "Compiled":
-        """The graph with `pieces` (slots `changed` differ from self's)."""
-        del changed
-        return Compiled(pieces, self.op_slots)
+        """A copy with the pieces of slots `changed` swapped for `pieces`'s.
 
-
-def compile_pieces(pieces: list[Piece], op_slots: list[int]) -> Compiled:
-    return Compiled(pieces, op_slots)
+        Copies the flat lists (cheap) and only the successor lists it
+        edits; records killed ids, touched tasks (live, with changed
+        predecessors) and the first new id for `Schedule.rerun`.
+        """
+        g = Compiled()
+        g.pieces, g.op_slots = list(pieces), self.op_slots
+        g.slot_base = list(self.slot_base)
+        g.dur, g.res1, g.resm = list(self.dur), list(self.res1), list(
+            self.resm)
+        g.prio, g.npred = list(self.prio), list(self.npred)
+        g.succ = list(self.succ)
+        g.first_new = len(g.dur)
+        killed = set()
+        for k in changed:
+            base = self.slot_base[k]
+            killed.update(range(base, base + len(self.pieces[k].durations_ms)))
+        copied: set[int] = set()
+        touched: set[int] = set()
+        for k in changed:
+            for s, d in self._deps(k, self.pieces[k]):
+                if d not in killed:
+                    g.npred[d] -= 1
+                    touched.add(d)
+                if s not in killed:
+                    if s not in copied:
+                        g.succ[s] = list(g.succ[s])
+                        copied.add(s)
+                    g.succ[s].remove(d)
+        for t in killed:
+            g.npred[t] = DEAD
+            g.succ[t] = []
+        for k in changed:
+            g._append(k, pieces[k])
+        new_deps = []
+        for k in changed:
+            for s, d in g._deps(k, pieces[k]):
+                new_deps.append((s, d))
+                if s < g.first_new and s not in copied:
+                    g.succ[s] = list(g.succ[s])
+                    copied.add(s)
+                g.succ[s].append(d)
+                g.npred[d] += 1
+                if d < g.first_new:
+                    touched.add(d)
+        g.killed = sorted(killed)
+        g.touched = touched - killed
+        g.new_deps = new_deps
+        g.num_live = self.num_live - len(killed) + len(g.dur) - g.first_new
+        g.busy, g.memory, g.comm = (
+            self.busy.copy(), self.memory.copy(), self.comm.copy()
+        )
+        num_devices = g.busy.shape[1]
+        for k in changed:
+            g.busy[k], g.memory[k] = _rows(pieces[k], num_devices)
+            g.comm[k] = pieces[k].comm_bytes
+        return g
 
 
 class Schedule:
-    """Start and end times (ms) of every task; `step_ms` the makespan."""
+    """Start and end (ms) per task id, the pop order, and the makespan."""
 
-    def __init__(self, start: list[float], end: list[float]):
-        self.start, self.end = start, end
-        self.step_ms = max(end) if end else 0.0
+    def __init__(self):
+        self.start: list[float] = []
+        self.end: list[float] = []
+        self.pos: list[int] = []  # pop index per task id, -1 if none
+        self.order: list[int] = []  # task ids in pop order
+        self.pop_ready: list[float] = []  # ready time at each pop
+        self.step_ms = 0.0
+        self.num_resources = 0
+        self.restart_pops = 0  # pops kept from the previous run
 
     @classmethod
     def run(cls, g: Compiled, num_resources: int) -> "Schedule":
-        n = g.num_tasks
-        dur, res, prio, succ = g.dur, g.res, g.prio, g.succ
+        """Schedules `g` from scratch."""
+        n = g.num_ids
+        out = cls()
+        out.num_resources = num_resources
+        out.start, out.end, out.pos = [0.0] * n, [0.0] * n, [-1] * n
         count = list(g.npred)
-        ready = [0.0] * n
-        start = [0.0] * n
-        end = [0.0] * n
-        free = [0.0] * num_resources
+        prio = g.prio
         heap = [(0.0, prio[t], t) for t in range(n) if count[t] == 0]
         heapq.heapify(heap)
-        pop, push = heapq.heappop, heapq.heappush
-        done = 0
-        while heap:
-            s, _, t = pop(heap)
-            rs = res[t]
+        free = [0.0] * num_resources
+        out.step_ms = _loop(g, out, heap, count, [0.0] * n, free, 0.0)
+        return out
+
+    def rerun(self, g: Compiled) -> "Schedule":
+        """Schedule of `g`, made by `replace` from the graph self is of.
+
+        Keeps the first k pops of self (they are the same in `g`),
+        rebuilds the queue, counts and resource times after them, and
+        runs the same loop over the rest.
+        """
+        k = self._restart_pops(g)
+        n, old_n = g.num_ids, len(self.end)
+        out = Schedule()
+        out.num_resources, out.restart_pops = self.num_resources, k
+        out.start = self.start + [0.0] * (n - old_n)
+        out.end = self.end + [0.0] * (n - old_n)
+        out.pos = self.pos + [-1] * (n - old_n)
+        out.order, out.pop_ready = self.order[:k], self.pop_ready[:k]
+        pos, end = out.pos, out.end
+        for t in self.order[k:]:
+            pos[t] = -1
+        count, ready = list(g.npred), [0.0] * n
+        free = [0.0] * self.num_resources
+        res1, resm, succ = g.res1, g.resm, g.succ
+        for t in out.order:
+            e = end[t]
+            r = res1[t]
+            if r >= 0:
+                free[r] = e
+            else:
+                for r in resm[t]:
+                    free[r] = e
+            for u in succ[t]:
+                if e > ready[u]:
+                    ready[u] = e
+                count[u] -= 1
+        prio = g.prio
+        heap = [
+            (ready[u], prio[u], u) for u in range(n)
+            if count[u] == 0 and pos[u] < 0
+        ]
+        heapq.heapify(heap)
+        best = max(map(end.__getitem__, out.order)) if k else 0.0
+        out.step_ms = _loop(g, out, heap, count, ready, free, best)
+        return out
+
+    def _restart_pops(self, g: Compiled) -> int:
+        """How many of self's pops a run of `g` makes identically.
+
+        A changed task (new, or old with changed predecessors) cannot be
+        ready before every old predecessor it has in the new graph ends;
+        one with no predecessor may be ready at 0; one whose listed
+        predecessors are all new waits for them. The kept pops must have
+        ready times below all these bounds and include no killed or
+        changed task.
+        """
+        pos, end, first_new = self.pos, self.end, g.first_new
+        k = len(self.order)
+        for t in g.killed:
+            if 0 <= pos[t] < k:
+                k = pos[t]
+        for t in g.touched:
+            if 0 <= pos[t] < k:
+                k = pos[t]
+        bound: dict[int, float] = {}
+        for s, d in g.new_deps:
+            if s < first_new:
+                e = end[s]
+                if e > bound.get(d, -1.0):
+                    bound[d] = e
+            elif d not in bound:
+                bound[d] = INF
+        lowest = min(bound.values(), default=INF)
+        for t in g.touched:
+            if t not in bound:
+                lowest = 0.0  # only lost predecessors: no bound known
+        npred = g.npred
+        for t in range(first_new, g.num_ids):
+            if npred[t] == 0:
+                lowest = 0.0
+                break
+        return min(k, bisect.bisect_left(self.pop_ready, lowest))
+
+
+def _loop(
+    g: Compiled,
+    out: Schedule,
+    heap: list,
+    count: list[int],
+    ready: list[float],
+    free: list[float],
+    best: float,
+) -> float:
+    """Pops tasks until none is left; returns the latest end."""
+    dur, res1, resm, prio, succ = g.dur, g.res1, g.resm, g.prio, g.succ
+    start, end, pos = out.start, out.end, out.pos
+    order, pop_ready = out.order, out.pop_ready
+    add_order, add_ready = order.append, pop_ready.append
+    pop, push = heapq.heappop, heapq.heappush
+    i = len(order)
+    while heap:
+        r0, _, t = pop(heap)
+        s = r0
+        r = res1[t]
+        if r >= 0:
+            f = free[r]
+            if f > s:
+                s = f
+            e = s + dur[t]
+            free[r] = e
+        else:
+            rs = resm[t]
             for r in rs:
                 if free[r] > s:
                     s = free[r]
             e = s + dur[t]
             for r in rs:
                 free[r] = e
-            start[t] = s
-            end[t] = e
-            done += 1
-            for u in succ[t]:
-                if e > ready[u]:
-                    ready[u] = e
-                c = count[u] - 1
-                count[u] = c
-                if c == 0:
-                    push(heap, (ready[u], prio[u], u))
-        assert done == n, "task graph has a cycle"
-        out = cls(start, end)
-        out.num_resources = num_resources
-        return out
-
-    def rerun(self, g: Compiled, old: Compiled) -> "Schedule":
-        """Schedule of `g`, a small change of `old` (scheduled by self)."""
-        del old
-        return Schedule.run(g, self.num_resources)
+        start[t] = s
+        end[t] = e
+        if e > best:
+            best = e
+        pos[t] = i
+        i += 1
+        add_order(t)
+        add_ready(r0)
+        for u in succ[t]:
+            if e > ready[u]:
+                ready[u] = e
+            c = count[u] - 1
+            count[u] = c
+            if c == 0:
+                push(heap, (ready[u], prio[u], u))
+    assert i == g.num_live, "task graph has a cycle"
+    return best

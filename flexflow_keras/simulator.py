@@ -24,7 +24,7 @@ from flexflow_keras import taskgraph
 from flexflow_keras.cost import CostModel
 from flexflow_keras.graph import OpGraph
 from flexflow_keras.machine import MachineModel
-from flexflow_keras.schedule import Compiled, Schedule, compile_pieces
+from flexflow_keras.schedule import Compiled, Schedule, no_gc
 from flexflow_keras.strategy import ParallelConfig, Strategy
 
 
@@ -92,21 +92,16 @@ class Simulator:
 
     def simulate(self, strategy: Strategy) -> SimResult:
         """Full simulation of `strategy`; keeps no state."""
-        configs = self._check(strategy)
-        pieces = [self._piece(k, configs) for k in self._layout.slots]
-        compiled = compile_pieces(pieces, self._layout.op_slots)
-        schedule = Schedule.run(compiled, self._num_resources())
-        return self._result(compiled, schedule)
+        with no_gc():
+            _, _, compiled, schedule = self._full(strategy)
+            return self._result(compiled, schedule)
 
     def start(self, strategy: Strategy) -> SimResult:
         """Full simulation that becomes the base of delta simulations."""
-        configs = self._check(strategy)
-        pieces = [self._piece(k, configs) for k in self._layout.slots]
-        compiled = compile_pieces(pieces, self._layout.op_slots)
-        schedule = Schedule.run(compiled, self._num_resources())
-        self._state = (configs, pieces, compiled, schedule)
-        self._proposal = None
-        return self._result(compiled, schedule)
+        with no_gc():
+            self._state = self._full(strategy)
+            self._proposal = None
+            return self._result(self._state[2], self._state[3])
 
     # Delta simulation ------------------------------------------------
 
@@ -122,15 +117,18 @@ class Simulator:
         self._check_config(op, config)
         new_configs = dict(configs)
         new_configs[op_name] = config
-        new_pieces = list(pieces)
-        changed = self._layout.touched[op_name]
-        for k in changed:
-            new_pieces[k] = self._piece(self._layout.slots[k], new_configs)
-        new_compiled = compiled.replace(new_pieces, changed)
-        new_schedule = schedule.rerun(new_compiled, compiled)
-        self._proposal = (new_configs, new_pieces, new_compiled,
-                          new_schedule)
-        return self._result(new_compiled, new_schedule)
+        with no_gc():
+            new_pieces = list(pieces)
+            changed = self._layout.touched[op_name]
+            for k in changed:
+                new_pieces[k] = self._piece(
+                    self._layout.slots[k], new_configs
+                )
+            new_compiled = compiled.replace(new_pieces, changed)
+            new_schedule = schedule.rerun(new_compiled)
+            self._proposal = (new_configs, new_pieces, new_compiled,
+                              new_schedule)
+            return self._result(new_compiled, new_schedule)
 
     def accept(self) -> None:
         """Makes the last proposal the current strategy."""
@@ -140,6 +138,11 @@ class Simulator:
                 "Received: accept() after start() or accept()."
             )
         self._state, self._proposal = self._proposal, None
+        compiled = self._state[2]
+        if compiled.num_ids > 2 * compiled.num_live + 10_000:
+            # Killed ids pile up over accepts; lay the graph out afresh.
+            with no_gc():
+                self._state = self._full(Strategy(self._state[0]))
 
     @property
     def strategy(self) -> Strategy | None:
@@ -157,13 +160,20 @@ class Simulator:
                     "before start()."
                 )
             strategy = Strategy(self._state[0])
-        configs = self._check(strategy)
-        pieces = [self._piece(k, configs) for k in self._layout.slots]
-        compiled = compile_pieces(pieces, self._layout.op_slots)
-        schedule = Schedule.run(compiled, self._num_resources())
+        with no_gc():
+            _, _, compiled, schedule = self._full(strategy)
         return trace.chrome_trace(self.machine, compiled, schedule)
 
     # Internals -------------------------------------------------------
+
+    def _full(self, strategy: Strategy) -> tuple:
+        configs = self._check(strategy)
+        pieces = [self._piece(k, configs) for k in self._layout.slots]
+        compiled = Compiled.build(
+            pieces, self._layout.op_slots, self.machine.num_devices
+        )
+        schedule = Schedule.run(compiled, self._num_resources())
+        return configs, pieces, compiled, schedule
 
     def _num_resources(self) -> int:
         return self.machine.num_devices + len(self.machine.links)
@@ -198,18 +208,13 @@ class Simulator:
         )
 
     def _result(self, compiled: Compiled, schedule: Schedule) -> SimResult:
-        n = self.machine.num_devices
-        busy, memory = [0.0] * n, [0.0] * n
-        for device, ms in compiled.busy_ms:
-            busy[device] += ms
-        for device, num_bytes in compiled.memory_bytes:
-            memory[device] += num_bytes
-        peak = tuple(int(math.ceil(m)) for m in memory)
+        busy = tuple(float(x) for x in compiled.busy_ms())
+        peak = tuple(int(math.ceil(m)) for m in compiled.memory_bytes())
         feasible = all(
             p <= d.memory_bytes for p, d in zip(peak, self.machine.devices)
         )
         return SimResult(
-            schedule.step_ms, tuple(busy), compiled.comm_bytes, peak,
+            schedule.step_ms, busy, compiled.comm_bytes, peak,
             feasible,
         )
 

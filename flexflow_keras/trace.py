@@ -31,10 +31,10 @@ def chrome_trace(
         ))
     for k, link in enumerate(machine.links):
         events.append(_meta("thread_name", LINKS_PID, k, link.name))
-    for t, (kind, op, detail) in enumerate(compiled.labels()):
+    for t, (kind, op, detail) in compiled.labels().items():
         start_us = schedule.start[t] * 1e3
         dur_us = (schedule.end[t] - schedule.start[t]) * 1e3
-        for r in compiled.res[t]:
+        for r in compiled.resm[t]:
             pid, tid = (DEVICES_PID, r) if r < n else (LINKS_PID, r - n)
             events.append({
                 "name": f"{KIND_NAMES[kind]} {op}",
