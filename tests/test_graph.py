@@ -666,6 +666,8 @@ def run_split(op, dim: int, seed: int = 0):
         with tf.GradientTape() as tape:
             tape.watch(weights)
             args, kwargs = op.fill_arguments(dict(zip(op.inputs, xs)))
+            if getattr(layer, "_call_has_training_arg", False):
+                kwargs["training"] = True  # BN: batch statistics
             if hasattr(layer, "stateless_call"):
                 y, _ = layer.stateless_call(weights, states, *args, **kwargs)
             else:  # a keras.ops operation: no variables
