@@ -24,7 +24,7 @@ from typing import Any
 
 from flexflow_keras.graph import OpGraph
 from flexflow_keras.search_space import random_config
-from flexflow_keras.strategy import Strategy
+from flexflow_keras.strategy import Strategy, validate_config
 
 PROGRESS_EVERY = 100
 
@@ -79,6 +79,7 @@ def search(
     initial: Strategy | None = None,
     print_fn: Callable[[str], None] | None = None,
     reset_every: int | None = None,
+    propagation: float = 0.0,
 ) -> SearchResult:
     """Runs FlexFlow's MCMC search for `budget` iterations.
 
@@ -99,6 +100,9 @@ def search(
         reset_every: Restart the chain from the best strategy every this
             many iterations; None: FlexFlow's `budget // 100` clipped to
             1..1000; 0: never.
+        propagation: Chance that a proposal copies a neighbour op's
+            config instead of drawing a random one (FlexFlow's
+            `use_propagation` uses 0.7); 0 is the plain search.
 
     Returns:
         A `SearchResult`.
@@ -135,7 +139,12 @@ def search(
             ):
                 current, cur_ms = best, _ms(simulator.start(best))
             op = ops[rng.randrange(len(ops))]
-            config = random_config(op, num_devices, rng)
+            config = None
+            if propagation and rng.random() < propagation:
+                config = _neighbour_config(graph, op, current, num_devices,
+                                           rng)
+            if config is None:
+                config = random_config(op, num_devices, rng)
             next_ms = cur_ms
             if config != current[op.name]:
                 next_ms = _ms(simulator.propose(op.name, config))
@@ -170,6 +179,26 @@ def search(
     if verbose:
         out(report(result))
     return result
+
+
+def _neighbour_config(
+    graph: OpGraph, op: Any, current: Strategy, num_devices: int,
+    rng: random.Random,
+) -> Any:
+    """A random neighbour's config if `op` can take it, else None.
+
+    Why: a lone op split unlike its neighbours pays resharding on both
+    sides, so chains of ops rarely change one random proposal at a time.
+    """
+    neighbours = graph.predecessors(op) + graph.successors(op)
+    if not neighbours:
+        return None
+    config = current[neighbours[rng.randrange(len(neighbours))].name]
+    try:
+        validate_config(op, config, num_devices)
+    except ValueError:
+        return None
+    return config
 
 
 def _accept(

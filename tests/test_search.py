@@ -290,3 +290,24 @@ class RealSimulatorTest(unittest.TestCase):
                                    1000, seed=0, verbose=0)
         self.assertAlmostEqual(result.best_ms, optimum, places=9)
         self.assertLess(optimum, result.data_parallel_ms)
+
+
+class PropagationTest(unittest.TestCase):
+    def test_propagation_only_copies_neighbour_configs(self):
+        graph = mlp_graph(batch=8, units=(512, 512, 8), features=512)
+
+        class Recording(FakeSimulator):
+            def propose(inner, name, config):
+                proposals.append(config)
+                return super().propose(name, config)
+
+        proposals = []
+        initial = Strategy.data_parallel(graph, 4).replace(
+            "dense_1", ParallelConfig((1, 4), (3, 2, 1, 0))
+        )
+        result = search_lib.search(graph, Recording(graph), 4, 300, seed=0,
+                                   verbose=0, propagation=1.0,
+                                   initial=initial, reset_every=0)
+        result.strategy.validate(graph, 4)
+        self.assertTrue(proposals)
+        self.assertLessEqual(set(proposals), set(initial.values()))
