@@ -139,7 +139,7 @@ class Simulator:
             )
         self._state, self._proposal = self._proposal, None
         compiled = self._state[2]
-        if compiled.num_ids > 2 * compiled.num_live + 10_000:
+        if compiled.num_ids > 2 * compiled.num_live + 256:
             # Killed ids pile up over accepts; lay the graph out afresh.
             with no_gc():
                 self._state = self._full(Strategy(self._state[0]))
