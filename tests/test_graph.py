@@ -413,6 +413,25 @@ class TransformerGraphTest(GraphAssertions):
         expected = projections + q_rows * 8 + 2 * scores * 8 + 5 * scores
         self.assertEqual(op.forward_flops, expected)
 
+    def test_attention_dropout_and_scores_output(self):
+        x = keras.Input(shape=(6, 8))
+        out, scores = keras.layers.MultiHeadAttention(
+            2, 4, dropout=0.1, use_bias=False, name="mha"
+        )(x, x, return_attention_scores=True)
+        graph = self.assert_consistent(keras.Model(x, [out, scores]))
+        op = graph.op("mha")
+        self.assertEqual(op.output_shapes, ((BATCH, 6, 8), (BATCH, 2, 6, 6)))
+        rows = BATCH * 6
+        scores_n = BATCH * 2 * 6 * 6
+        expected = (
+            4 * 2 * rows * 8 * 8  # four 8 -> 2 x 4 projections
+            + rows * 8  # query scaling
+            + 2 * scores_n * (4 + 4) + 5 * scores_n  # matmuls, softmax
+            + 2 * scores_n  # dropout on the scores
+        )
+        self.assertEqual(op.forward_flops, expected)
+        self.assertEqual(op.partitionable, {0: SAMPLE})  # two outputs
+
     def test_layer_norm_flops_and_sequence_attribute(self):
         op = build_graph(model_zoo.transformer_block(), BATCH).op("norm_1")
         elements = BATCH * 16 * 32
@@ -461,6 +480,15 @@ class RecurrentGraphTest(GraphAssertions):
             op.forward_flops, BATCH * 5 * (gates + 11 * units + bias)
         )
         self.assertEqual(op.partitionable, {0: SAMPLE})
+
+
+    def test_simple_rnn_flops(self):
+        inputs = keras.Input(shape=(5, 3))
+        out = keras.layers.SimpleRNN(4, name="rnn")(inputs)
+        op = self.assert_consistent(keras.Model(inputs, out)).op("rnn")
+        # x W + h U, add them, bias, tanh: per step and sample
+        per_step = 2 * (3 + 4) * 4 + 4 + 4 + 4
+        self.assertEqual(op.forward_flops, BATCH * 5 * per_step)
 
 
 class EmbeddingGraphTest(GraphAssertions):
@@ -523,6 +551,57 @@ class KerasOpsGraphTest(GraphAssertions):
         for op in graph:
             self.assertTrue(op.flops_exact)
             self.assertEqual(op.partitionable, {0: SAMPLE, 1: ATTRIBUTE})
+
+    def test_merge_layers_count_per_input(self):
+        a, b, c = (keras.Input(shape=(5,)) for _ in range(3))
+        outs = [
+            keras.layers.Subtract(name="sub")([a, b]),
+            keras.layers.Multiply(name="mul")([a, b, c]),
+            keras.layers.Average(name="avg")([a, b, c]),
+            keras.layers.Maximum(name="max")([a, b, c]),
+        ]
+        graph = self.assert_consistent(keras.Model([a, b, c], outs))
+        n = BATCH * 5
+        flops = {op.name: (op.forward_flops, op.backward_flops)
+                 for op in graph}
+        self.assertEqual(flops["sub"], (n, n))  # negate the second
+        # 2 multiplies forward; each of 3 grads multiplies the other 2
+        self.assertEqual(flops["mul"], (2 * n, 6 * n))
+        self.assertEqual(flops["avg"], (3 * n, 3 * n))  # 2 adds + scale
+        self.assertEqual(flops["max"], (2 * n, 3 * n))  # a select each
+
+    def test_binary_ops_count_tensor_operands_only(self):
+        x = keras.Input(shape=(5,))
+        y = keras.Input(shape=(5,))
+        outs = [
+            keras.ops.subtract(1.0, x),
+            keras.ops.subtract(x, y),
+            keras.ops.divide(x, y),
+            keras.ops.maximum(x, 0.0),
+        ]
+        graph = self.assert_consistent(keras.Model([x, y], outs))
+        n = BATCH * 5
+        producers = [graph.producer(t) for t in graph.outputs]
+        self.assertEqual(
+            [(op.forward_flops, op.backward_flops) for op in producers],
+            [
+                (n, n),  # 1 - x: only the second operand is a tensor
+                (n, n),
+                (n, 4 * n),  # g / y, then -g * x / y^2
+                (n, n),  # maximum(x, 0): one select
+            ],
+        )
+
+    def test_matmul_flops(self):
+        x = keras.Input(shape=(3, 4))
+        y = keras.Input(shape=(4, 5))
+        graph = self.assert_consistent(
+            keras.Model([x, y], keras.ops.matmul(x, y))
+        )
+        op = graph.ops[0]
+        self.assertEqual(op.forward_flops, 2 * BATCH * 3 * 5 * 4)
+        self.assertEqual(op.backward_flops, 4 * BATCH * 3 * 5 * 4)
+        self.assertEqual(op.partitionable, {0: SAMPLE})
 
     def test_softmax_keeps_its_axis_whole(self):
         inputs = keras.Input(shape=(3, 5))
