@@ -267,9 +267,7 @@ def _window_elements(
     )
 
 
-def _pool_flops(
-    is_max: bool, window: int, outputs: int
-) -> tuple[int, int]:
+def _pool_flops(is_max: bool, window: int, outputs: int) -> tuple[int, int]:
     if is_max:
         return window - outputs, outputs
     return window, window + outputs
@@ -300,9 +298,7 @@ def _global_pooling(call: _Call) -> OpSpec:
     x, out = ins[0], outs[0]
     channels_last = layer.data_format == "channels_last"
     outputs = math.prod(out)
-    fwd, bwd = _pool_flops(
-        "Max" in type(layer).__name__, math.prod(x), outputs
-    )
+    fwd, bwd = _pool_flops("Max" in type(layer).__name__, math.prod(x), outputs)
     channel_dim = len(out) - 1 if channels_last else 1
     return _spec(fwd, bwd, _dims(len(out), (channel_dim,)))
 
@@ -331,9 +327,7 @@ def _layer_norm(call: _Call) -> OpSpec:
     layer, ins, outs, arguments = call
     out = outs[0]
     rank = len(out)
-    axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [
-        layer.axis
-    ]
+    axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
     normalized = {a % rank for a in axis}
     fwd, bwd = _norm_flops(
         math.prod(out),
@@ -349,9 +343,7 @@ def _embedding(call: _Call) -> OpSpec:
     layer, ins, outs, arguments = call
     out = outs[0]
     kinds = _dims(len(out), range(1, len(out) - 1), len(out) - 1)
-    return _spec(
-        0, math.prod(out), kinds, _axes_by_name(layer, embeddings=1)
-    )
+    return _spec(0, math.prod(out), kinds, _axes_by_name(layer, embeddings=1))
 
 
 def _call_arg(arguments: Any, position: int, name: str) -> Any:

@@ -4,13 +4,12 @@ Shapes are checked against Keras's own shape inference; FLOPs against
 arithmetic written out here, following the convention in `op_specs`.
 """
 
-import math
 import unittest
 
 import keras
+import model_zoo
 import numpy as np
 
-import model_zoo
 from flexflow_keras.graph import (
     ATTRIBUTE,
     PARAMETER,
@@ -37,8 +36,7 @@ def keras_output_shapes(op, batch: int) -> list[tuple[int, ...]]:
 
 def model_output_shapes(model, batch: int) -> list[tuple[int, ...]]:
     return [
-        tuple(batch if d is None else d for d in t.shape)
-        for t in model.outputs
+        tuple(batch if d is None else d for d in t.shape) for t in model.outputs
     ]
 
 
@@ -109,9 +107,7 @@ class MlpGraphTest(GraphAssertions):
         # data grad + kernel grad (a matmul each), bias grad, relu grad
         self.assertEqual(op.backward_flops, 2 * matmul + bias + relu)
         linear = build_graph(model_zoo.mlp(), BATCH).op("logits")
-        self.assertEqual(
-            linear.forward_flops, 2 * BATCH * 64 * 10 + BATCH * 10
-        )
+        self.assertEqual(linear.forward_flops, 2 * BATCH * 64 * 10 + BATCH * 10)
 
     def test_dense_splits_units_and_shards_kernel_columns(self):
         op = build_graph(model_zoo.mlp(), BATCH).op("dense_0")
@@ -164,9 +160,7 @@ class CnnGraphTest(GraphAssertions):
         dilated = keras.layers.Conv2D(
             3, 3, dilation_rate=2, padding="valid", name="dilated"
         )(inputs)
-        graph = self.assert_consistent(
-            keras.Model(inputs, [strided, dilated])
-        )
+        graph = self.assert_consistent(keras.Model(inputs, [strided, dilated]))
         op = graph.op("strided")
         # valid: (11 - 3) // 2 + 1 = 5 rows, (11 - 2) // 2 + 1 = 5 cols;
         # each output reads 3 x 2 taps of 6 / 2 = 3 channels of its group.
@@ -186,9 +180,7 @@ class CnnGraphTest(GraphAssertions):
         dw = keras.layers.DepthwiseConv2D(
             3, depth_multiplier=2, use_bias=False, name="dw"
         )(x2)
-        graph = self.assert_consistent(
-            keras.Model([x1, x3, x2], [c1, c3, dw])
-        )
+        graph = self.assert_consistent(keras.Model([x1, x3, x2], [c1, c3, dw]))
         outputs = BATCH * 10 * 5
         self.assertEqual(
             graph.op("c1").forward_flops, 2 * outputs * 3 * 4 + outputs
@@ -214,8 +206,11 @@ class CnnGraphTest(GraphAssertions):
         )
         graph = build_graph(keras.Model(inputs, [first, grouped]), BATCH)
         graph_cnn = build_graph(model_zoo.cnn(), BATCH)
-        for op in (graph.op("first"), graph.op("grouped"),
-                   graph_cnn.op("conv_0")):
+        for op in (
+            graph.op("first"),
+            graph.op("grouped"),
+            graph_cnn.op("conv_0"),
+        ):
             self.assertEqual(op.partitionable, {0: SAMPLE})
             self.assertIsNone(op.parameter_dim)
             self.assertTrue(all(w.shard_axis is None for w in op.weights))
@@ -319,7 +314,9 @@ class MultiInputGraphTest(GraphAssertions):
         graph = self.assert_consistent(keras.Model(inputs, [seq, h, c]))
         op = graph.op("lstm")
         self.assertEqual(op.outputs, ("lstm:0", "lstm:1", "lstm:2"))
-        self.assertEqual(op.output_shapes, ((BATCH, 5, 4), (BATCH, 4), (BATCH, 4)))
+        self.assertEqual(
+            op.output_shapes, ((BATCH, 5, 4), (BATCH, 4), (BATCH, 4))
+        )
         self.assertEqual(op.partitionable, {0: SAMPLE})
 
 
@@ -372,14 +369,19 @@ class TransformerGraphTest(GraphAssertions):
         graph = self.assert_consistent(model_zoo.transformer_block())
         self.assertEqual(
             [op.type for op in graph],
-            ["MultiHeadAttention", "Add", "LayerNormalization", "Dense",
-             "Dense", "Add", "LayerNormalization"],
+            [
+                "MultiHeadAttention",
+                "Add",
+                "LayerNormalization",
+                "Dense",
+                "Dense",
+                "Add",
+                "LayerNormalization",
+            ],
         )
 
     def test_attention_flops_match_hand_count(self):
-        op = build_graph(model_zoo.transformer_block(), BATCH).op(
-            "attention"
-        )
+        op = build_graph(model_zoo.transformer_block(), BATCH).op("attention")
         seq, dim, heads, key_dim = 16, 32, 4, 8
         rows = BATCH * seq
         projection = 2 * rows * dim * heads * key_dim + rows * dim
@@ -392,7 +394,9 @@ class TransformerGraphTest(GraphAssertions):
         )
         backward = (
             4 * (2 * (projection - rows * dim) + rows * dim)
-            + scale + 2 * matmuls + 4 * scores
+            + scale
+            + 2 * matmuls
+            + 4 * scores
         )
         self.assertEqual(op.backward_flops, backward)
         self.assertEqual(op.partitionable, {0: SAMPLE, 1: ATTRIBUTE})
@@ -401,14 +405,12 @@ class TransformerGraphTest(GraphAssertions):
     def test_cross_attention_uses_key_length(self):
         q = keras.Input(shape=(3, 8))
         v = keras.Input(shape=(5, 6))
-        out = keras.layers.MultiHeadAttention(
-            2, 4, use_bias=False, name="mha"
-        )(q, v)
+        out = keras.layers.MultiHeadAttention(2, 4, use_bias=False, name="mha")(
+            q, v
+        )
         op = self.assert_consistent(keras.Model([q, v], out)).op("mha")
         q_rows, k_rows = BATCH * 3, BATCH * 5
-        projections = 2 * (
-            q_rows * 8 * 8 + 2 * k_rows * 6 * 8 + q_rows * 8 * 8
-        )
+        projections = 2 * (q_rows * 8 * 8 + 2 * k_rows * 6 * 8 + q_rows * 8 * 8)
         scores = BATCH * 2 * 3 * 5
         expected = projections + q_rows * 8 + 2 * scores * 8 + 5 * scores
         self.assertEqual(op.forward_flops, expected)
@@ -426,7 +428,8 @@ class TransformerGraphTest(GraphAssertions):
         expected = (
             4 * 2 * rows * 8 * 8  # four 8 -> 2 x 4 projections
             + rows * 8  # query scaling
-            + 2 * scores_n * (4 + 4) + 5 * scores_n  # matmuls, softmax
+            + 2 * scores_n * (4 + 4)
+            + 5 * scores_n  # matmuls, softmax
             + 2 * scores_n  # dropout on the scores
         )
         self.assertEqual(op.forward_flops, expected)
@@ -460,9 +463,7 @@ class RecurrentGraphTest(GraphAssertions):
         # add the two products 4U, bias 4U, activations 4U, cell state
         # f*c + i*g 3U, tanh(c) and o * tanh(c) 2U.
         arithmetic = 4 * units + 4 * units + 4 * units + 3 * units + 2 * units
-        self.assertEqual(
-            op.forward_flops, BATCH * steps * (gates + arithmetic)
-        )
+        self.assertEqual(op.forward_flops, BATCH * steps * (gates + arithmetic))
         self.assertEqual(
             op.backward_flops, BATCH * steps * (2 * gates + arithmetic)
         )
@@ -480,7 +481,6 @@ class RecurrentGraphTest(GraphAssertions):
             op.forward_flops, BATCH * 5 * (gates + 11 * units + bias)
         )
         self.assertEqual(op.partitionable, {0: SAMPLE})
-
 
     def test_simple_rnn_flops(self):
         inputs = keras.Input(shape=(5, 3))
@@ -512,7 +512,12 @@ class EmbeddingGraphTest(GraphAssertions):
 
     def test_case_study_dlrm_builds_without_weight_values(self):
         model = model_zoo.dlrm(
-            8, 1_000_000, 64, 64, (512, 512, 64), (1024, 1024, 1024, 1),
+            8,
+            1_000_000,
+            64,
+            64,
+            (512, 512, 64),
+            (1024, 1024, 1024, 1),
             defer_weights=True,
         )
         graph = build_graph(model, 8)
@@ -520,8 +525,15 @@ class EmbeddingGraphTest(GraphAssertions):
         tables = 8 * 1_000_000 * 64
         mlps = sum(
             i * o + o
-            for i, o in [(64, 512), (512, 512), (512, 64), (576, 1024),
-                         (1024, 1024), (1024, 1024), (1024, 1)]
+            for i, o in [
+                (64, 512),
+                (512, 512),
+                (512, 64),
+                (576, 1024),
+                (1024, 1024),
+                (1024, 1024),
+                (1024, 1),
+            ]
         )
         self.assertEqual(graph.weight_bytes, (tables + mlps) * 4)
         table = model.get_layer("embedding_0").embeddings
@@ -562,8 +574,7 @@ class KerasOpsGraphTest(GraphAssertions):
         ]
         graph = self.assert_consistent(keras.Model([a, b, c], outs))
         n = BATCH * 5
-        flops = {op.name: (op.forward_flops, op.backward_flops)
-                 for op in graph}
+        flops = {op.name: (op.forward_flops, op.backward_flops) for op in graph}
         self.assertEqual(flops["sub"], (n, n))  # negate the second
         # 2 multiplies forward; each of 3 grads multiplies the other 2
         self.assertEqual(flops["mul"], (2 * n, 6 * n))
@@ -612,10 +623,14 @@ class KerasOpsGraphTest(GraphAssertions):
         n = BATCH * 3 * 5
         self.assertEqual(graph.op("sm").forward_flops, 5 * n)
         self.assertEqual(graph.op("sm").backward_flops, 4 * n)
-        self.assertEqual(graph.op("sm").partitionable, {0: SAMPLE, 2: ATTRIBUTE})
+        self.assertEqual(
+            graph.op("sm").partitionable, {0: SAMPLE, 2: ATTRIBUTE}
+        )
         softmax_op = [op for op in graph if op.name not in ("sm", "act")][0]
         self.assertEqual(softmax_op.partitionable, {0: SAMPLE, 1: ATTRIBUTE})
-        self.assertEqual(graph.op("act").partitionable, {0: SAMPLE, 1: ATTRIBUTE})
+        self.assertEqual(
+            graph.op("act").partitionable, {0: SAMPLE, 1: ATTRIBUTE}
+        )
 
     def test_reshape_and_flatten_are_sample_only(self):
         inputs = keras.Input(shape=(4, 6))
@@ -766,8 +781,13 @@ def run_split(op, dim: int, seed: int = 0):
         split=False,
     )
     split_inputs = [
-        put(x, dim if kind != PARAMETER and x.shape[dim:dim + 1]
-            == op.output_shape[dim:dim + 1] else None)
+        put(
+            x,
+            dim
+            if kind != PARAMETER
+            and x.shape[dim : dim + 1] == op.output_shape[dim : dim + 1]
+            else None,
+        )
         for x in inputs
     ]
 
@@ -775,13 +795,9 @@ def run_split(op, dim: int, seed: int = 0):
         return axes.get(variable.path) if kind == PARAMETER else None
 
     split_weights = [
-        put(w, weight_axis(v))
-        for v, w in zip(variables, trainable)
+        put(w, weight_axis(v)) for v, w in zip(variables, trainable)
     ]
-    split_states = [
-        put(w, weight_axis(v))
-        for v, w in zip(state_vars, others)
-    ]
+    split_states = [put(w, weight_axis(v)) for v, w in zip(state_vars, others)]
     y, grads = tf.function(step)(
         split_inputs, split_weights, split_states, split=True
     )
@@ -822,14 +838,18 @@ class ApplicationsGraphTest(GraphAssertions):
         conv1 = graph.op("conv1_conv")
         # 7x7 stride 2 on the padded 230x230x3 image -> 112x112x64, bias.
         outputs = 2 * 112 * 112 * 64
-        self.assertEqual(
-            conv1.forward_flops, 2 * outputs * 7 * 7 * 3 + outputs
-        )
+        self.assertEqual(conv1.forward_flops, 2 * outputs * 7 * 7 * 3 + outputs)
         # He et al. (2016) give 3.8e9 multiply-adds per image for ResNet-50
         # v1 (Keras's: stride on the 1x1 conv; v1.5 has 4.1e9).
-        macs = sum(
-            op.forward_flops for op in graph if op.type in ("Conv2D", "Dense")
-        ) / 2 / 2
+        macs = (
+            sum(
+                op.forward_flops
+                for op in graph
+                if op.type in ("Conv2D", "Dense")
+            )
+            / 2
+            / 2
+        )
         self.assertAlmostEqual(macs / 1e9, 3.8, delta=0.1)
         for op in graph:
             if op.type in ("Conv2D", "MaxPooling2D", "ZeroPadding2D"):
