@@ -15,13 +15,15 @@ from flexflow_keras.graph import (
     PARAMETER,
     SAMPLE,
     SOAP_KINDS,
+    Op,
+    OpGraph,
     build_graph,
 )
 
 BATCH = 4
 
 
-def keras_output_shapes(op, batch: int) -> list[tuple[int, ...]]:
+def keras_output_shapes(op: Op) -> list[tuple[int, ...]]:
     """Output shapes Keras infers for `op` fed full-batch input shapes."""
     from keras.src.backend import KerasTensor
 
@@ -34,7 +36,9 @@ def keras_output_shapes(op, batch: int) -> list[tuple[int, ...]]:
     return [tuple(t.shape) for t in keras.tree.flatten(spec)]
 
 
-def model_output_shapes(model, batch: int) -> list[tuple[int, ...]]:
+def model_output_shapes(
+    model: keras.Model, batch: int
+) -> list[tuple[int, ...]]:
     return [
         tuple(batch if d is None else d for d in t.shape) for t in model.outputs
     ]
@@ -43,12 +47,14 @@ def model_output_shapes(model, batch: int) -> list[tuple[int, ...]]:
 class GraphAssertions(unittest.TestCase):
     """Checks every test model must pass."""
 
-    def assert_consistent(self, model, batch: int = BATCH):
+    def assert_consistent(
+        self, model: keras.Model, batch: int = BATCH
+    ) -> OpGraph:
         graph = build_graph(model, batch)
         for op in graph:
             self.assertEqual(
                 [tuple(s) for s in op.output_shapes],
-                keras_output_shapes(op, batch),
+                keras_output_shapes(op),
                 msg=op.name,
             )
             for tensor in op.inputs:  # topological order
@@ -64,7 +70,7 @@ class GraphAssertions(unittest.TestCase):
         )
         return graph
 
-    def assert_valid_partitioning(self, op, batch: int):
+    def assert_valid_partitioning(self, op: Op, batch: int) -> None:
         kinds = op.partitionable
         self.assertEqual(kinds.get(0), SAMPLE, msg=op.name)
         self.assertEqual(op.output_shape[0], batch, msg=op.name)
@@ -716,7 +722,9 @@ def splits_model() -> keras.Model:
     return keras.Model([tokens, ids, image], [x, y])
 
 
-def run_split(op, dim: int, seed: int = 0):
+def run_split(
+    op: Op, dim: int, seed: int = 0
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """Output and weight gradients of `op` with output dim `dim` split.
 
     Splits as a runtime would on 2 DTensor devices: inputs along `dim`
