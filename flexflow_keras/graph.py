@@ -338,6 +338,16 @@ class _GraphBuilder:
         for kt in function.inputs:
             layer = kt._keras_history.operation
             name = layer.name if layer is not None else kt.name
+            fixed = kt.shape[0] if kt.shape else None
+            if fixed is not None and fixed != self.batch_size:
+                # Every shape downstream would carry the fixed batch.
+                raise ValueError(
+                    f"Model input '{name}' has a fixed batch size of "
+                    f"{fixed}, which differs from the global batch size. "
+                    f"Received: batch_size={self.batch_size}. Use "
+                    f"batch_size={fixed}, or leave the batch dim of "
+                    "`keras.Input` as None."
+                )
             self.tensors[name] = TensorInfo(
                 name, self.static_shape(kt, name), str(kt.dtype)
             )

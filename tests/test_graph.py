@@ -685,6 +685,15 @@ class OpaqueAndInvalidModelTest(unittest.TestCase):
         ):
             build_graph(model, BATCH)
 
+    def test_fixed_batch_input_must_match_batch_size(self):
+        inputs = keras.Input(shape=(3,), batch_size=8, name="x")
+        model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+        self.assertEqual(build_graph(model, 8).tensors["x"].shape, (8, 3))
+        with self.assertRaisesRegex(
+            ValueError, "'x' has a fixed batch size of 8.*batch_size=4"
+        ):
+            build_graph(model, 4)
+
     def test_subclassed_model_is_rejected(self):
         class Subclassed(keras.Model):
             def __init__(self):
