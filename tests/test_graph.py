@@ -879,7 +879,7 @@ class ApplicationsGraphTest(GraphAssertions):
         graph = self.assert_consistent(model, batch=2)
         self.assertEqual(len(graph), len(model.layers) - 1)
         self.assertTrue(all(op.flops_exact for op in graph))
-        pool = graph.op("average_pooling2d")
+        pool = next(op for op in graph if op.type == "AveragePooling2D")
         self.assertEqual(pool.input_shapes, ((2, 35, 35, 192),))
         # 3x3 stride 1 same: per axis 2 + 33 * 3 + 2 inner elements.
         window = (2 + 33 * 3 + 2) ** 2
