@@ -3,8 +3,8 @@
 DLRM (8 embedding tables of 1,000,000 x 64, bottom MLP 64-512-512-64,
 top MLP 576-1024-1024-1024-1, batch 1024) on `v100x4`, and InceptionV3
 (batch 64 per device) on `p100x16`. Delta simulations are random
-single-op proposals from the search space, each accepted with
-probability 1/2, as in an MCMC search.
+single-op proposals from the search space, accepted by the Metropolis
+rule of the MCMC search (FlexFlow's, alpha = 0.05 per ms).
 
 Usage: python bench/simulator_bench.py [--seconds S] [--check N]
 """
@@ -109,19 +109,21 @@ def bench(
     strategy = Strategy.data_parallel(graph, n)
     rng = random.Random(seed)
     full = _rate(lambda: sim.simulate(strategy), seconds)
-    sim.start(strategy)
     ops = list(graph.ops)
     # Warm the piece cache as a long search would have.
     proposals = [
         (op.name, search_space.random_config(op, n, rng))
         for op in (rng.choice(ops) for _ in range(2000))
     ]
+    current = sim.start(strategy).step_ms
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         name, config = proposals[count % len(proposals)]
-        sim.propose(name, config)
-        if rng.random() < 0.5:
+        step_ms = sim.propose(name, config).step_ms
+        # Metropolis acceptance as in the search (alpha = 0.05 per ms).
+        if rng.random() < math.exp(min(0.0, 0.05 * (current - step_ms))):
             sim.accept()
+            current = step_ms
         count += 1
     delta = count / (time.perf_counter() - start)
     mismatches = _check(sim, proposals[:check])

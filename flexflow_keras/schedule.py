@@ -91,10 +91,13 @@ class Compiled:
         g.slot_base = [0] * len(pieces)
         for k, p in enumerate(pieces):
             g._append(k, p)
-        for k, p in enumerate(pieces):
-            for s, d in g._deps(k, p):
-                g.succ[s].append(d)
-                g.npred[d] += 1
+        succ, npred = g.succ, g.npred
+        op_base = [g.slot_base[k] for k in op_slots]
+        for base, p in zip(g.slot_base, pieces):
+            for so, sl, do, dl in p.deps:
+                d = (base if do == SELF else op_base[do]) + dl
+                succ[(base if so == SELF else op_base[so]) + sl].append(d)
+                npred[d] += 1
         g.num_live = len(g.dur)
         rows = [_rows(p, num_devices) for p in pieces]
         g.busy = np.array([r[0] for r in rows]).reshape(-1, num_devices)
@@ -131,16 +134,17 @@ class Compiled:
 
     def _append(self, k: int, p: Piece) -> None:
         self.slot_base[k] = len(self.dur)
+        n = len(p.durations_ms)
         self.dur += p.durations_ms
         self.prio += p.priorities
-        for res in p.resources:
-            self.res1.append(res[0] if len(res) == 1 else -1)
-            self.resm.append(res)
-            self.succ.append([])
-            self.npred.append(0)
+        self.resm += p.resources
+        self.res1 += [r[0] if len(r) == 1 else -1 for r in p.resources]
+        self.succ += [[] for _ in range(n)]
+        self.npred += [0] * n
 
     def _deps(self, k: int, p: Piece) -> Iterator[tuple[int, int]]:
-        base, slots, op_slots = self.slot_base[k], self.slot_base, self.op_slots
+        base, slots = self.slot_base[k], self.slot_base
+        op_slots = self.op_slots
         for so, sl, do, dl in p.deps:
             s = (base if so == SELF else slots[op_slots[so]]) + sl
             d = (base if do == SELF else slots[op_slots[do]]) + dl
@@ -168,17 +172,7 @@ class Compiled:
             base = self.slot_base[k]
             killed.update(range(base, base + len(self.pieces[k].durations_ms)))
         copied: set[int] = set()
-        touched: set[int] = set()
-        for k in changed:
-            for s, d in self._deps(k, self.pieces[k]):
-                if d not in killed:
-                    g.npred[d] -= 1
-                    touched.add(d)
-                if s not in killed:
-                    if s not in copied:
-                        g.succ[s] = list(g.succ[s])
-                        copied.add(s)
-                    g.succ[s].remove(d)
+        touched = self._unlink(g, changed, killed, copied)
         for t in killed:
             g.npred[t] = DEAD
             g.succ[t] = []
@@ -207,6 +201,25 @@ class Compiled:
             g.busy[k], g.memory[k] = _rows(pieces[k], num_devices)
             g.comm[k] = pieces[k].comm_bytes
         return g
+
+    def _unlink(
+        self, g: "Compiled", changed: tuple[int, ...], killed: set[int],
+        copied: set[int],
+    ) -> set[int]:
+        """Removes the old pieces' dependencies from `g`; returns the live
+        tasks that lost a predecessor."""
+        touched: set[int] = set()
+        for k in changed:
+            for s, d in self._deps(k, self.pieces[k]):
+                if d not in killed:
+                    g.npred[d] -= 1
+                    touched.add(d)
+                if s not in killed:
+                    if s not in copied:
+                        g.succ[s] = list(g.succ[s])
+                        copied.add(s)
+                    g.succ[s].remove(d)
+        return touched
 
 
 class Schedule:
