@@ -2,10 +2,13 @@
 
 import json
 import math
+import os
 import random
+import tempfile
 import unittest
 
 import model_zoo
+import pytest
 
 from flexflow_keras import search_space
 from flexflow_keras.cost import CostModel
@@ -16,6 +19,7 @@ from flexflow_keras.machine import load_machine, machine_from_dict
 from flexflow_keras.simulator import Simulator
 from flexflow_keras.strategy import ParallelConfig, Strategy
 from flexflow_keras.taskgraph import ring_allreduce_ms
+from flexflow_keras.trace import write_trace
 
 
 def machine(nodes=1, per_node=2, gbps=1.0, latency_us=0.0, nic_gbps=0.5,
@@ -265,6 +269,40 @@ class DeltaTest(unittest.TestCase):
             sim.propose("a", ParallelConfig((2,), (0, 1)))
 
 
+@pytest.mark.slow
+class DeltaStressTest(unittest.TestCase):
+    """Bitwise equality from random start strategies on every preset."""
+
+    def test_every_zoo_model_on_every_preset(self):
+        cases = [
+            (model_zoo.mlp(), 64, "p100x16"),
+            (model_zoo.cnn(), 64, "k80x64"),
+            (model_zoo.transformer_block(), 16, "v100x4"),
+            (model_zoo.nested(), 16, "h100x8"),
+            (model_zoo.shared_layer(), 64, "h100x64"),
+            (model_zoo.dlrm(), 64, "h100x64"),
+        ]
+        for model, batch, name in cases:
+            graph, m = build_graph(model, batch), load_machine(name)
+            n, rng = m.num_devices, random.Random(7)
+            sim, full = Simulator(graph, m, None, 1), Simulator(graph, m,
+                                                                None, 1)
+            strategy = Strategy({
+                op.name: search_space.random_config(op, n, rng)
+                for op in graph
+            })
+            sim.start(strategy)
+            for _ in range(1000):
+                op = rng.choice(graph.ops)
+                config = search_space.random_config(op, n, rng)
+                candidate = strategy.replace(op.name, config)
+                self.assertEqual(sim.propose(op.name, config),
+                                 full.simulate(candidate))
+                if rng.random() < 0.5:
+                    sim.accept()
+                    strategy = candidate
+
+
 class SharedWeightsTest(unittest.TestCase):
     def test_sharer_syncs_with_owner_once(self):
         graph = build_graph(model_zoo.shared_layer(input_dim=8, units=16), 8)
@@ -291,6 +329,22 @@ class TraceTest(unittest.TestCase):
         self.assertEqual(len(spans), 6)  # fwd, bwd x 2, two transfers
         end_us = max(e["ts"] + e["dur"] for e in spans)
         self.assertAlmostEqual(end_us, 10.028 * 1e3)
+
+    def test_written_trace_loads_back(self):
+        graph = build_graph(model_zoo.mlp(), 16)
+        sim = Simulator(graph, load_machine("p100x16"))
+        sim.start(Strategy.data_parallel(graph, 16))
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "trace.json")
+            write_trace(path, sim.timeline())
+            with open(path) as f:
+                events = json.load(f)["traceEvents"]
+        phases = {e["ph"] for e in events}
+        self.assertEqual(phases, {"M", "X"})
+        for e in events:
+            if e["ph"] == "X":
+                self.assertGreaterEqual(e["dur"], 0)
+                self.assertIn(e["pid"], (0, 1))
 
 
 if __name__ == "__main__":
