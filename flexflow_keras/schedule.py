@@ -81,6 +81,7 @@ class Compiled:
         self.touched: set[int] = set()
         self.first_new = 0
         self.new_deps: list[tuple[int, int]] = []
+        self.sources: list[int] = []  # live tasks without predecessors
 
     @classmethod
     def build(
@@ -104,6 +105,7 @@ class Compiled:
         g.memory = np.array([r[1] for r in rows]).reshape(-1, num_devices)
         g.comm = np.array([p.comm_bytes for p in pieces])
         g.first_new = len(g.dur)
+        g.sources = [t for t in range(len(g.dur)) if npred[t] == 0]
         return g
 
     @property
@@ -191,6 +193,10 @@ class Compiled:
                     touched.add(d)
         g.killed = sorted(killed)
         g.touched = touched - killed
+        npred = g.npred
+        candidates = set(self.sources) | g.touched
+        candidates.update(range(g.first_new, len(g.dur)))
+        g.sources = [t for t in candidates if npred[t] == 0]
         g.new_deps = new_deps
         g.num_live = self.num_live - len(killed) + len(g.dur) - g.first_new
         g.busy, g.memory, g.comm = (
@@ -230,7 +236,7 @@ class Schedule:
         self.end: list[float] = []
         self.pos: list[int] = []  # pop index per task id, -1 if none
         self.order: list[int] = []  # task ids in pop order
-        self.pop_ready: list[float] = []  # ready time at each pop
+        self.ready: list[float] = []  # ready time per task id
         self.step_ms = 0.0
         self.num_resources = 0
         self.restart_pops = 0  # pops kept from the previous run
@@ -247,7 +253,8 @@ class Schedule:
         heap = [(0.0, prio[t], t) for t in range(n) if count[t] == 0]
         heapq.heapify(heap)
         free = [0.0] * num_resources
-        out.step_ms = _loop(g, out, heap, count, [0.0] * n, free, 0.0)
+        out.ready = [0.0] * n
+        out.step_ms = _loop(g, out, heap, count, out.ready, free, 0.0)
         return out
 
     def rerun(self, g: Compiled) -> "Schedule":
@@ -264,13 +271,15 @@ class Schedule:
         out.start = self.start + [0.0] * (n - old_n)
         out.end = self.end + [0.0] * (n - old_n)
         out.pos = self.pos + [-1] * (n - old_n)
-        out.order, out.pop_ready = self.order[:k], self.pop_ready[:k]
+        out.order = self.order[:k]
         pos, end = out.pos, out.end
         for t in self.order[k:]:
             pos[t] = -1
         count, ready = list(g.npred), [0.0] * n
+        out.ready = ready
         free = [0.0] * self.num_resources
         res1, resm, succ = g.res1, g.resm, g.succ
+        woken = list(g.sources)
         for t in out.order:
             e = end[t]
             r = res1[t]
@@ -282,12 +291,12 @@ class Schedule:
             for u in succ[t]:
                 if e > ready[u]:
                     ready[u] = e
-                count[u] -= 1
+                c = count[u] - 1
+                count[u] = c
+                if c == 0:
+                    woken.append(u)
         prio = g.prio
-        heap = [
-            (ready[u], prio[u], u) for u in range(n)
-            if count[u] == 0 and pos[u] < 0
-        ]
+        heap = [(ready[u], prio[u], u) for u in set(woken) if pos[u] < 0]
         heapq.heapify(heap)
         best = max(map(end.__getitem__, out.order)) if k else 0.0
         out.step_ms = _loop(g, out, heap, count, ready, free, best)
@@ -328,7 +337,10 @@ class Schedule:
             if npred[t] == 0:
                 lowest = 0.0
                 break
-        return min(k, bisect.bisect_left(self.pop_ready, lowest))
+        kept = bisect.bisect_left(
+            self.order, lowest, key=self.ready.__getitem__
+        )
+        return min(k, kept)
 
 
 def _loop(
@@ -343,8 +355,8 @@ def _loop(
     """Pops tasks until none is left; returns the latest end."""
     dur, res1, resm, prio, succ = g.dur, g.res1, g.resm, g.prio, g.succ
     start, end, pos = out.start, out.end, out.pos
-    order, pop_ready = out.order, out.pop_ready
-    add_order, add_ready = order.append, pop_ready.append
+    order = out.order
+    add_order = order.append
     pop, push = heapq.heappop, heapq.heappush
     i = len(order)
     while heap:
@@ -372,7 +384,6 @@ def _loop(
         pos[t] = i
         i += 1
         add_order(t)
-        add_ready(r0)
         for u in succ[t]:
             if e > ready[u]:
                 ready[u] = e
