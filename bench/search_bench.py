@@ -147,7 +147,7 @@ def _timed(fn, *args):
     return out, time.perf_counter() - start
 
 
-def run_case(name, budget, seed, alpha):
+def run_case(name, budget, seed, alpha, with_random=True):
     builder, machine_name, batch = CASES[name]
     graph = build_graph(builder(), batch)
     machine = machine_lib.load_machine(machine_name)
@@ -159,8 +159,10 @@ def run_case(name, budget, seed, alpha):
     dp_ms = _ms(sim().simulate(Strategy.data_parallel(graph, n)))
     (_, greedy_ms), greedy_s = _timed(greedy_search, graph, sim(), n,
                                       budget, seed)
-    (_, random_ms), random_s = _timed(random_search, graph, sim(), n,
-                                      budget, seed)
+    random_ms = random_s = math.nan
+    if with_random:
+        (_, random_ms), random_s = _timed(random_search, graph, sim(), n,
+                                          budget, seed)
     result = search_lib.search(graph, sim(), n, budget, alpha=alpha,
                                seed=seed, verbose=0)
     check = _ms(sim().simulate(result.strategy))
@@ -199,6 +201,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(CASES))
     parser.add_argument("--show-strategy", action="store_true")
+    parser.add_argument("--no-random", action="store_true",
+                        help="Skip random search (slow on big graphs).")
     parser.add_argument("--export-dir", default=None,
                         help="Write each MCMC strategy as "
                         "<model>_<machine>.txt there.")
@@ -208,7 +212,8 @@ def main(argv=None) -> int:
     args.alpha = flags.search_alpha
     rows = []
     for name in args.models.split(","):
-        row = run_case(name, args.budget, args.seed, args.alpha)
+        row = run_case(name, args.budget, args.seed, args.alpha,
+                       not args.no_random)
         rows.append(row)
         print(format_rows([row], args.budget).splitlines()[-1], flush=True)
         if args.show_strategy:
