@@ -229,17 +229,19 @@ class Compiled:
 
 
 class Schedule:
-    """Start and end (ms) per task id, the pop order, and the makespan."""
+    """End times (ms) per task id, the pop order, and the makespan."""
 
     def __init__(self):
-        self.start: list[float] = []
         self.end: list[float] = []
-        self.pos: list[int] = []  # pop index per task id, -1 if none
         self.order: list[int] = []  # task ids in pop order
         self.ready: list[float] = []  # ready time per task id
         self.step_ms = 0.0
         self.num_resources = 0
         self.restart_pops = 0  # pops kept from the previous run
+
+    def start(self, g: Compiled, t: int) -> float:
+        """Start of task `t` (for traces; end minus duration)."""
+        return self.end[t] - g.dur[t]
 
     @classmethod
     def run(cls, g: Compiled, num_resources: int) -> "Schedule":
@@ -247,14 +249,12 @@ class Schedule:
         n = g.num_ids
         out = cls()
         out.num_resources = num_resources
-        out.start, out.end, out.pos = [0.0] * n, [0.0] * n, [-1] * n
-        count = list(g.npred)
+        out.end, out.ready = [0.0] * n, [0.0] * n
         prio = g.prio
-        heap = [(0.0, prio[t], t) for t in range(n) if count[t] == 0]
+        heap = [(0.0, prio[t], t) for t in g.sources]
         heapq.heapify(heap)
         free = [0.0] * num_resources
-        out.ready = [0.0] * n
-        out.step_ms = _loop(g, out, heap, count, out.ready, free, 0.0)
+        _loop(g, out, heap, list(g.npred), out.ready, free)
         return out
 
     def rerun(self, g: Compiled) -> "Schedule":
@@ -264,17 +264,13 @@ class Schedule:
         rebuilds the queue, counts and resource times after them, and
         runs the same loop over the rest.
         """
-        k = self._restart_pops(g)
+        k, index = self._restart_pops(g)
         n, old_n = g.num_ids, len(self.end)
         out = Schedule()
         out.num_resources, out.restart_pops = self.num_resources, k
-        out.start = self.start + [0.0] * (n - old_n)
         out.end = self.end + [0.0] * (n - old_n)
-        out.pos = self.pos + [-1] * (n - old_n)
         out.order = self.order[:k]
-        pos, end = out.pos, out.end
-        for t in self.order[k:]:
-            pos[t] = -1
+        end = out.end
         count, ready = list(g.npred), [0.0] * n
         out.ready = ready
         free = [0.0] * self.num_resources
@@ -295,31 +291,28 @@ class Schedule:
                 count[u] = c
                 if c == 0:
                     woken.append(u)
-        prio = g.prio
-        heap = [(ready[u], prio[u], u) for u in set(woken) if pos[u] < 0]
+        prio, get = g.prio, index.get
+        heap = [
+            (ready[u], prio[u], u) for u in set(woken) if get(u, k) >= k
+        ]
         heapq.heapify(heap)
-        best = max(map(end.__getitem__, out.order)) if k else 0.0
-        out.step_ms = _loop(g, out, heap, count, ready, free, best)
+        _loop(g, out, heap, count, ready, free)
         return out
 
-    def _restart_pops(self, g: Compiled) -> int:
+    def _restart_pops(self, g: Compiled) -> tuple[int, dict[int, int]]:
         """How many of self's pops a run of `g` makes identically.
 
         A changed task (new, or old with changed predecessors) cannot be
         ready before every old predecessor it has in the new graph ends;
         one with no predecessor may be ready at 0; one whose listed
         predecessors are all new waits for them. The kept pops must have
-        ready times below all these bounds and include no killed or
-        changed task.
+        ready times below all these bounds (pops leave in non-decreasing
+        ready time) and include no killed or changed task.
+
+        Returns:
+            k, and the pop index of each of self's first pops (>= k).
         """
-        pos, end, first_new = self.pos, self.end, g.first_new
-        k = len(self.order)
-        for t in g.killed:
-            if 0 <= pos[t] < k:
-                k = pos[t]
-        for t in g.touched:
-            if 0 <= pos[t] < k:
-                k = pos[t]
+        end, first_new = self.end, g.first_new
         bound: dict[int, float] = {}
         for s, d in g.new_deps:
             if s < first_new:
@@ -337,10 +330,15 @@ class Schedule:
             if npred[t] == 0:
                 lowest = 0.0
                 break
-        kept = bisect.bisect_left(
+        k = bisect.bisect_left(
             self.order, lowest, key=self.ready.__getitem__
         )
-        return min(k, kept)
+        index = dict(zip(self.order[:k], range(k)))
+        for t in g.killed:
+            k = min(k, index.get(t, k))
+        for t in g.touched:
+            k = min(k, index.get(t, k))
+        return k, index
 
 
 def _loop(
@@ -350,18 +348,14 @@ def _loop(
     count: list[int],
     ready: list[float],
     free: list[float],
-    best: float,
-) -> float:
-    """Pops tasks until none is left; returns the latest end."""
+) -> None:
+    """Pops tasks until none is left; sets `out.step_ms`."""
     dur, res1, resm, prio, succ = g.dur, g.res1, g.resm, g.prio, g.succ
-    start, end, pos = out.start, out.end, out.pos
-    order = out.order
+    end, order = out.end, out.order
     add_order = order.append
     pop, push = heapq.heappop, heapq.heappush
-    i = len(order)
     while heap:
-        r0, _, t = pop(heap)
-        s = r0
+        s, _, t = pop(heap)
         r = res1[t]
         if r >= 0:
             f = free[r]
@@ -377,12 +371,7 @@ def _loop(
             e = s + dur[t]
             for r in rs:
                 free[r] = e
-        start[t] = s
         end[t] = e
-        if e > best:
-            best = e
-        pos[t] = i
-        i += 1
         add_order(t)
         for u in succ[t]:
             if e > ready[u]:
@@ -391,5 +380,5 @@ def _loop(
             count[u] = c
             if c == 0:
                 push(heap, (ready[u], prio[u], u))
-    assert i == g.num_live, "task graph has a cycle"
-    return best
+    assert len(order) == g.num_live, "task graph has a cycle"
+    out.step_ms = max(map(end.__getitem__, order), default=0.0)

@@ -32,8 +32,8 @@ def chrome_trace(
     for k, link in enumerate(machine.links):
         events.append(_meta("thread_name", LINKS_PID, k, link.name))
     for t, (kind, op, detail) in compiled.labels().items():
-        start_us = schedule.start[t] * 1e3
-        dur_us = (schedule.end[t] - schedule.start[t]) * 1e3
+        start_us = schedule.start(compiled, t) * 1e3
+        dur_us = compiled.dur[t] * 1e3
         for r in compiled.resm[t]:
             pid, tid = (DEVICES_PID, r) if r < n else (LINKS_PID, r - n)
             events.append({
