@@ -149,6 +149,11 @@ class Simulator:
         """The current (started or accepted) strategy."""
         return None if self._state is None else Strategy(self._state[0])
 
+    @property
+    def num_tasks(self) -> int:
+        """Tasks in the current strategy's task graph (0 before start)."""
+        return 0 if self._state is None else self._state[2].num_tasks
+
     def timeline(self, strategy: Strategy | None = None) -> dict:
         """Chrome trace-event JSON of a strategy (default: current)."""
         from flexflow_keras import trace
