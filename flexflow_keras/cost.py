@@ -78,6 +78,9 @@ class CostModel:
         self.cache_path = cache_path or DEFAULT_CACHE_PATH
         self.warmup, self.repeats = warmup, repeats
         self.num_measured = 0  # ops timed by this instance (tests)
+        # (op name, config, error) of shards that could not be measured
+        # and were costed by the roofline instead.
+        self.fallbacks: list[tuple[str, ParallelConfig, str]] = []
         self._memo: dict[Any, tuple[float, float]] = {}
         self._disk: dict[str, list[float]] | None = None
 
@@ -127,9 +130,19 @@ class CostModel:
         key = cache_key(op, config, spec.kind)
         disk = self._load()
         if key not in disk:
-            disk[key] = list(
-                measure_op_ms(op, config, self.warmup, self.repeats)
-            )
+            try:
+                measured = measure_op_ms(
+                    op, config, self.warmup, self.repeats
+                )
+            except Exception as error:  # any op the shard breaks
+                if self.machine is None:
+                    raise
+                # Why: a shard shape some layer cannot run (e.g. a split
+                # it does not support) must not stop the search; the
+                # roofline still ranks the config. Not cached on disk.
+                self.fallbacks.append((op.name, config, repr(error)))
+                return analytic_op_ms(op, config, spec)
+            disk[key] = list(measured)
             self.num_measured += 1
             self._save()
         forward_ms, backward_ms = disk[key]

@@ -87,6 +87,18 @@ class MeasuredTest(unittest.TestCase):
         self.assertIn("[[64, 256]], [64, 256], \"float32\", \"V100\"", key)
         self.assertIn('"units": 256', key)  # the shard's clone
 
+    def test_unmeasurable_op_falls_back_to_roofline(self):
+        import dataclasses
+
+        op = dataclasses.replace(dense_op(), layer=None)
+        with tempfile.TemporaryDirectory() as folder:
+            cost = measured_cost_model(os.path.join(folder, "c.json"),
+                                       load_machine(None))
+            got = cost.op_cost(op, ParallelConfig((1, 1), (0,)), 0)
+        self.assertEqual(cost.num_measured, 0)
+        self.assertEqual(len(cost.fallbacks), 1)
+        self.assertTrue(got[0] > 0)
+
     def test_live_machine_defaults_to_measured(self):
         self.assertEqual(CostModel(load_machine(None)).mode, "measured")
         self.assertEqual(CostModel(load_machine("v100x4")).mode, "analytic")
