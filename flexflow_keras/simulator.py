@@ -187,7 +187,7 @@ class Simulator:
         key = slot + tuple(configs[n] for n in self._layout.reads[slot])
         piece = self._cache.get(key)
         if piece is None:
-            if len(self._cache) > 200_000:
+            if len(self._cache) > 50_000:
                 self._cache.clear()  # bound memory on long searches
             piece = self._build(slot, configs)
             self._cache[key] = piece
