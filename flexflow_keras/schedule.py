@@ -140,7 +140,11 @@ class Compiled:
         self.dur += p.durations_ms
         self.prio += p.priorities
         self.resm += p.resources
-        self.res1 += [r[0] if len(r) == 1 else -1 for r in p.resources]
+        res1 = p.__dict__.get("_res1")
+        if res1 is None:
+            res1 = [r[0] if len(r) == 1 else -1 for r in p.resources]
+            object.__setattr__(p, "_res1", res1)
+        self.res1 += res1
         self.succ += [[] for _ in range(n)]
         self.npred += [0] * n
 

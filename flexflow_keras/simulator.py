@@ -241,9 +241,8 @@ class Simulator:
                 f"Op '{op.name}' has a rank-{op.rank} output, so `dims` "
                 f"needs {rank} entries. Received: dims={config.dims}"
             )
-        bad = [d for d in config.device_ids
-               if not 0 <= d < self.machine.num_devices]
-        if bad:
+        ids = config.device_ids
+        if min(ids) < 0 or max(ids) >= len(self.machine.devices):
             raise ValueError(
                 f"Op '{op.name}' is placed on devices the machine lacks "
                 f"(it has {self.machine.num_devices}). Received: "
