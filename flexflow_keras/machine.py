@@ -148,6 +148,17 @@ class MachineModel:
         )
         self.links: tuple[LinkSpec, ...] = ()
         self._routes = self._build_routes()
+        self._frozen = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Why: simulators and cost caches hold on to a machine; a machine
+        # changed under them would silently mix two clusters.
+        if getattr(self, "_frozen", False):
+            raise AttributeError(
+                f"MachineModel is read-only. Received: {name}={value!r}. "
+                "Build a new machine (e.g. from a JSON spec) instead."
+            )
+        object.__setattr__(self, name, value)
 
     @property
     def num_devices(self) -> int:

@@ -60,6 +60,10 @@ class PresetTest(unittest.TestCase):
         self.assertNotEqual(m.route(0, 8).links, m.route(1, 9).links)
         self.assertEqual(m.route(0, 8).bandwidth_gbps, 50.0)  # 400 Gb/s
 
+    def test_machine_is_read_only(self):
+        with self.assertRaisesRegex(AttributeError, "Received: name="):
+            load_machine("v100x4").name = "other"
+
     def test_k80_nodes_share_one_nic(self):
         m = load_machine("k80x64")
         self.assertEqual(m.route(0, 4).links[0], m.route(1, 5).links[0])
