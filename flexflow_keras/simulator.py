@@ -11,10 +11,11 @@ The makespan is the step time. Imports no TensorFlow.
 Delta simulation (`start` / `propose` / `accept`): the task graph is a
 list of pieces, each a function of one to a few op configs and cached by
 them; a proposal rebuilds only the pieces of the changed op (its op
-piece, its in and out edges, its weight family) and re-runs the
-schedule from the last checkpoint before the first task whose inputs
-changed. Same pieces, same priorities, same arithmetic: the result is
-bit for bit the full simulation's.
+piece, its in and out edges, its weight family), swaps them into the
+flat task lists (`schedule.Compiled.replace`) and re-runs the schedule
+after the last pop of the previous run that provably precedes every
+changed task (`schedule.Schedule.rerun`). Same pieces, same priorities,
+same arithmetic: the result is bit for bit the full simulation's.
 """
 
 import dataclasses
