@@ -16,6 +16,26 @@ best simulated step time of:
 
 with each search's wall time. FlexFlow reports 3.8x over data parallelism
 for this DLRM on 4 GPUs after 1,000 iterations.
+
+Last run (2 shared CPU cores; simulated ms; seed 0):
+
+    bench/search_bench.py --budget 1000           (alpha 0.05, default)
+    model        machine  batch ops  DP ms greedy  random   MCMC MCMC/DP
+    dlrm         v100x4    1024  24  63.13  13.72    2.71   2.38  26.55x
+    alexnet      p100x16   1024  12  46.63  39.79  172.49  40.09   1.16x
+    inception_v3 p100x16    512 312 134.87 134.87 9404.92 134.87   1.00x
+    transformer  p100x16    256  44 157.82 154.09 1456.97 153.99   1.02x
+
+    bench/search_bench.py --budget 5000 --alpha 1.0 --no-random
+    dlrm         v100x4    1024  24  63.13  13.71       -   2.46  25.63x
+    alexnet      p100x16   1024  12  46.63  35.27       -  34.86   1.34x
+    inception_v3 p100x16    512 312 134.87 134.87       - 134.87   1.00x
+    transformer  p100x16    256  44 157.82 153.09       - 151.32   1.04x
+
+At alpha 0.05 (FlexFlow's default, per ms) a proposal 10 ms slower is
+still accepted with probability 0.6, so on 40-150 ms steps the chain is
+nearly a random walk between restarts; alpha 1.0 beats greedy at 5000
+iterations (alpha 0.05 there: AlexNet 37.73, Transformer 157.82).
 """
 
 import argparse
