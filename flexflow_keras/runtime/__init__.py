@@ -1,0 +1,12 @@
+"""Runs a strategy on TensorFlow DTensor with Keras's training loops.
+
+`StrategyTrainer` goes before `keras.Model` in a model class's bases;
+`attach_strategy(model, graph, strategy)` switches fit/evaluate/predict to
+the strategy's per-op meshes and layouts; `detach_strategy` switches back.
+"""
+
+from flexflow_keras.runtime.trainer import StrategyTrainer
+from flexflow_keras.runtime.trainer import attach_strategy
+from flexflow_keras.runtime.trainer import detach_strategy
+
+__all__ = ["StrategyTrainer", "attach_strategy", "detach_strategy"]

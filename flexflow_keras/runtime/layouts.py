@@ -1,0 +1,250 @@
+"""DTensor meshes and layouts from a strategy, and the segments they form.
+
+Each op's `ParallelConfig(dims, device_ids)` becomes a mesh whose axes are
+the op's split dims (degree > 1), in order, named `a0`, `a1`, ...; its
+devices are `np.reshape(device_ids, degrees)`. Naming axes by position
+(not by tensor dim) lets `dims=(4, 1)` and `dims=(1, 4)` on the same
+devices share one mesh, so activations move between them by `relayout`.
+
+A *segment* is a maximal run of consecutive ops (topological order) on one
+mesh. DTensor runs a function whose data goes mesh A -> mesh B -> mesh A
+(forward then backward) into a hang on this TensorFlow (measured), so the
+step runs one function per segment when there are several.
+"""
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+from tensorflow.experimental import dtensor
+
+from flexflow_keras.graph import ATTRIBUTE, PARAMETER, Op, OpGraph
+
+UNSHARDED = dtensor.UNSHARDED
+# Ops whose input channel is the output channel (per-channel arithmetic), so
+# a parameter split may shard the input's channel dim too.
+_CHANNELWISE = {"BatchNormalization"}
+# Ops where only input 0 lines up with the output's attribute dims.
+_FIRST_INPUT_ONLY = {"MultiHeadAttention"}
+# Ops whose spatial dims must never be sharded on the input (halo).
+_NO_INPUT_ATTRIBUTE = {
+    "Conv1D", "Conv2D", "Conv3D", "DepthwiseConv2D", "SeparableConv2D",
+    "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose",
+}
+
+
+def mesh_shape(dims: tuple[int, ...]) -> tuple[int, ...]:
+    """Mesh axis sizes of a config: its degrees > 1, or `(1,)`."""
+    shape = tuple(d for d in dims if d > 1)
+    return shape or (1,)
+
+
+def axis_of_dim(dims: tuple[int, ...]) -> dict[int, str]:
+    """Tensor dim -> mesh axis name, for the split dims of a config."""
+    names = {}
+    for dim, degree in enumerate(dims):
+        if degree > 1:
+            names[dim] = f"a{len(names)}"
+    return names
+
+
+class MeshCache:
+    """One `dtensor.Mesh` per (axis sizes, device ids), built once.
+
+    Args:
+        device_names: Full device names; strategy id i is
+            `device_names[i]`.
+    """
+
+    def __init__(self, device_names: tuple[str, ...]):
+        self._names = tuple(_full_name(n) for n in device_names)
+        self._meshes: dict[tuple, Any] = {}
+
+    @property
+    def num_devices(self) -> int:
+        return len(self._names)
+
+    def get(self, dims: tuple[int, ...], device_ids: tuple[int, ...]) -> Any:
+        shape = mesh_shape(dims)
+        key = (shape, tuple(device_ids))
+        if key not in self._meshes:
+            bad = [i for i in device_ids if i >= len(self._names)]
+            if bad:
+                raise ValueError(
+                    f"The strategy uses device ids {bad}, but only "
+                    f"{len(self._names)} devices are attached. Received: "
+                    f"device_ids={tuple(device_ids)}. Search for this "
+                    "machine, or attach as many devices as the strategy's "
+                    "machine has."
+                )
+            n = len(device_ids)
+            self._meshes[key] = dtensor.Mesh(
+                [f"a{i}" for i in range(len(shape))],
+                np.arange(n).reshape(shape),
+                list(range(n)),
+                [self._names[i] for i in device_ids],
+            )
+        return self._meshes[key]
+
+
+def _full_name(name: str) -> str:
+    if name.startswith("/job:"):
+        return name
+    short = name[len("/device:"):] if name.startswith("/device:") else name
+    return f"/job:localhost/replica:0/task:0/device:{short}"
+
+
+def replicated(mesh: Any, rank: int) -> Any:
+    return dtensor.Layout.replicated(mesh, rank)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OpPlan:
+    """Mesh and layouts of one op.
+
+    Args:
+        op: The graph op.
+        mesh: Its DTensor mesh.
+        axes: Output dim -> mesh axis name, for split dims.
+        batch_degree: Parts of the batch dim (1 if not split).
+    """
+
+    op: Op
+    mesh: Any
+    axes: dict[int, str]
+    batch_degree: int
+
+    def output_layout(self, index: int, rank: int, sharded_batch: bool):
+        """Layout of output `index`; dims only describe output 0."""
+        specs = [UNSHARDED] * rank
+        for dim, axis in self.axes.items():
+            if dim >= rank or (index and dim):
+                continue
+            if dim == 0 and not sharded_batch:
+                continue
+            specs[dim] = axis
+        return dtensor.Layout(specs, self.mesh)
+
+    def input_layout(
+        self, position: int, shape: tuple[int, ...], sharded_batch: bool
+    ):
+        """Layout an input is moved to before the op runs.
+
+        Sample: batch split like the output. Attribute: split like the
+        output where the input has the same dim. Parameter: only for
+        per-channel ops. DTensor computes correctly for any layout; these
+        choices keep the op local.
+        """
+        op = self.op
+        out = op.output_shape
+        specs = [UNSHARDED] * len(shape)
+        for dim, axis in self.axes.items():
+            if dim >= len(shape) or shape[dim] != out[dim]:
+                continue
+            kind = op.partitionable.get(dim)
+            if dim == 0:
+                ok = sharded_batch
+            elif kind == PARAMETER:
+                ok = op.type in _CHANNELWISE and len(shape) == len(out)
+            elif kind == ATTRIBUTE:
+                ok = (
+                    op.type not in _NO_INPUT_ATTRIBUTE
+                    and (position == 0 or op.type not in _FIRST_INPUT_ONLY)
+                    and (len(shape) == len(out) or op.type == "Embedding")
+                )
+            else:
+                ok = False
+            if ok:
+                specs[dim] = axis
+        return dtensor.Layout(specs, self.mesh)
+
+    def weight_layout(self, shape: tuple[int, ...], shard_axis: int | None):
+        """Parameter split shards the weight; otherwise replicated."""
+        specs = [UNSHARDED] * len(shape)
+        param = self.op.parameter_dim
+        if shard_axis is not None and param is not None and param in self.axes:
+            specs[shard_axis] = self.axes[param]
+        return dtensor.Layout(specs, self.mesh)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Segment:
+    """Consecutive ops on one mesh, run as one DTensor function.
+
+    Args:
+        mesh: The shared mesh.
+        ops: The op plans, in topological order.
+        inputs: Tensors read but made outside (model inputs included).
+        outputs: Tensors made here and read outside or by the loss.
+    """
+
+    mesh: Any
+    ops: tuple[OpPlan, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+def plan_ops(
+    graph: OpGraph, strategy: Any, meshes: MeshCache
+) -> tuple[OpPlan, ...]:
+    """One `OpPlan` per op, checked against the graph."""
+    plans = []
+    for op in graph:
+        if op.name not in strategy:
+            raise ValueError(
+                f"The strategy has no config for op '{op.name}'. Every op "
+                "needs one; use `Strategy.data_parallel(graph, n)` as a "
+                "start."
+            )
+        config = strategy[op.name]
+        if len(config.dims) != max(op.rank, 1):
+            raise ValueError(
+                f"Op '{op.name}' has a rank-{op.rank} output, so `dims` "
+                f"needs {op.rank} entries. Received: dims={config.dims}."
+            )
+        for dim, degree in enumerate(config.dims):
+            if degree > 1 and dim not in op.partitionable:
+                raise ValueError(
+                    f"Op '{op.name}' ({op.type}) cannot split output dim "
+                    f"{dim}. Received: dims={config.dims}. Splittable: "
+                    f"{dict(op.partitionable)}."
+                )
+            if degree > 1 and op.output_shape[dim] % degree:
+                raise ValueError(
+                    f"Op '{op.name}': dim {dim} of size "
+                    f"{op.output_shape[dim]} does not split into {degree} "
+                    f"equal parts. Received: dims={config.dims}."
+                )
+        mesh = meshes.get(config.dims, config.device_ids)
+        plans.append(
+            OpPlan(op, mesh, axis_of_dim(config.dims), config.dims[0])
+        )
+    return tuple(plans)
+
+
+def segments(graph: OpGraph, plans: tuple[OpPlan, ...]) -> tuple[Segment, ...]:
+    """Groups consecutive ops on the same mesh."""
+    groups: list[list[OpPlan]] = []
+    for plan in plans:
+        if groups and groups[-1][0].mesh == plan.mesh:
+            groups[-1].append(plan)
+        else:
+            groups.append([plan])
+    result = []
+    for group in groups:
+        made = {t for p in group for t in p.op.outputs}
+        names = {p.op.name for p in group}
+        inputs = tuple(
+            dict.fromkeys(
+                t for p in group for t in p.op.inputs if t not in made
+            )
+        )
+        outputs = tuple(
+            t
+            for p in group
+            for t in p.op.outputs
+            if t in graph.outputs
+            or any(c.name not in names for c in graph.consumers(t))
+        )
+        result.append(Segment(group[0].mesh, tuple(group), inputs, outputs))
+    return tuple(result)

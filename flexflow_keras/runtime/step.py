@@ -1,0 +1,408 @@
+"""Train / test / predict steps of one strategy on DTensor.
+
+One segment (all ops on one mesh) and one output: the training step is one
+`tf.function` (forward, compiled loss, backward, gradient reduction,
+optimizer update). Several segments: one forward and one backward function
+per segment (the backward recomputes its forward), chained eagerly through
+replicated copies, with the loss between them; see `layouts.py` for why.
+Metrics and the loss tracker are updated by Keras's own code in a plain
+`tf.function` on the gathered outputs, so `compile(metrics=...)` behaves
+as in Keras.
+"""
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras import tree
+from keras.src.backend import StatelessScope
+from keras.src.losses import loss as loss_module
+from keras.src.trainers.data_adapters import data_adapter_utils
+from tensorflow.experimental import dtensor
+
+from flexflow_keras.runtime import layouts as layouts_lib
+from flexflow_keras.runtime.layouts import replicated
+from flexflow_keras.runtime.optimizers import Updater
+from flexflow_keras.runtime.variables import VariableStore, layer_variables
+
+
+def _to_mesh(value: Any, mesh: Any) -> Any:
+    """A regular tensor copied, replicated, onto `mesh` (eager)."""
+    if value is None:
+        return None
+    value = tf.convert_to_tensor(value)
+    return dtensor.copy_to_mesh(value, replicated(mesh, value.shape.rank))
+
+
+def _local(value: Any) -> Any:
+    """First component of a replicated DTensor: a regular tensor."""
+    return dtensor.unpack(value)[0]
+
+
+def _is_float(value: Any) -> bool:
+    return value is not None and value.dtype.is_floating
+
+
+def _function_of(model: Any) -> Any:
+    return getattr(model, "_functional", None) or model
+
+
+class Executor:
+    """Runs a model's steps under a strategy.
+
+    Args:
+        model: The compiled Keras model.
+        graph: Its `OpGraph` at the strategy's global batch size.
+        strategy: Op name -> `ParallelConfig`.
+        device_names: Devices the strategy's ids refer to.
+    """
+
+    def __init__(self, model, graph, strategy, device_names):
+        self.model = model
+        self.graph = graph
+        self.meshes = layouts_lib.MeshCache(device_names)
+        self.plans = layouts_lib.plan_ops(graph, strategy, self.meshes)
+        self.segments = layouts_lib.segments(graph, self.plans)
+        self.store = VariableStore(self.plans)
+        self._check_shared_weights()
+        known = {id(v) for v in self.store.keras_variables()}
+        self.trainable = [
+            v for v in model.trainable_variables if id(v) in known
+        ]
+        self.fused = len(self.segments) == 1 and len(graph.outputs) == 1
+        self.updater = None
+        self.dirty = False  # DVariables newer than the Keras variables
+        self._fns: dict[tuple, Any] = {}
+
+    def _check_shared_weights(self) -> None:
+        for plan in self.plans:
+            trainable, non_trainable = layer_variables(plan.op.layer)
+            for var in trainable + non_trainable:
+                if self.store.mesh_of[id(var)] != plan.mesh:
+                    raise NotImplementedError(
+                        f"Op '{plan.op.name}' reads weights placed on "
+                        "another device mesh (a shared layer whose calls "
+                        "have different dims or devices). Give every call "
+                        "of a shared layer the same dims and device_ids."
+                    )
+
+    # -- sync -------------------------------------------------------------
+
+    def sync_in(self) -> None:
+        """Keras values -> DVariables, unless the DVariables are newer."""
+        if not self.dirty:
+            self.store.push()
+
+    def sync_out(self) -> None:
+        """DVariables -> Keras values, if training changed them."""
+        if self.dirty:
+            self.store.pull()
+            self.dirty = False
+
+    # -- graph pieces (trace time) ------------------------------------------
+
+    def _sharded_batch(self, batch: int) -> bool:
+        return all(batch % p.batch_degree == 0 for p in self.plans)
+
+    def _run_segment(self, seg, values, training, sharded):
+        """Runs `seg`'s ops on `values` (name -> DTensor), in place.
+
+        Returns (DVariable, new value) for non-trainable state to assign.
+        """
+        updates = []
+        for plan in seg.ops:
+            op = plan.op
+            local = {}
+            for pos, name in enumerate(op.inputs):
+                if name not in local:
+                    value = values[name]
+                    layout = plan.input_layout(
+                        pos, tuple(value.shape), sharded
+                    )
+                    local[name] = dtensor.relayout(value, layout)
+            args, kwargs = op.fill_arguments(local)
+            layer = op.layer
+            trainable, non_trainable = layer_variables(layer)
+            mapping = [
+                (v, self.store.dvariable(v)) for v in trainable + non_trainable
+            ]
+            is_layer = isinstance(layer, keras.layers.Layer)
+            if is_layer and "training" not in kwargs:
+                kwargs = dict(kwargs, training=training)
+            with StatelessScope(state_mapping=mapping) as scope:
+                out = layer(*args, **kwargs)
+            if training:
+                for v in non_trainable:
+                    new = scope.get_current_value(v)
+                    if new is not None:
+                        updates.append((v, new))
+            for i, (name, value) in enumerate(
+                zip(op.outputs, tree.flatten(out))
+            ):
+                layout = plan.output_layout(i, value.shape.rank, sharded)
+                values[name] = dtensor.relayout(value, layout)
+        return updates
+
+    def _assign(self, updates) -> None:
+        for var, value in updates:
+            dvar = self.store.dvariable(var)
+            value = tf.cast(value, dvar.dtype)
+            dvar.assign(dtensor.relayout(value, self.store.layout(var)))
+
+    def _seg_dvars(self, seg):
+        seen = {}
+        for plan in seg.ops:
+            for v in layer_variables(plan.op.layer)[0]:
+                if v.trainable:
+                    seen[id(v)] = v
+        ordered = [v for v in self.trainable if id(v) in seen]
+        return [self.store.dvariable(v) for v in ordered]
+
+    def _fn(self, kind, *key):
+        full = (kind,) + key
+        if full not in self._fns:
+            self._fns[full] = getattr(self, "_make_" + kind)(*key)
+        return self._fns[full]
+
+    def _make_fused_train(self, sharded):
+        seg = self.segments[0]
+        dvars = self._seg_dvars(seg)
+        out = self.graph.outputs[0]
+        compile_loss = self.model._compile_loss
+
+        @tf.function
+        def fused(inputs, y, sample_weight, hyper):
+            with tf.GradientTape() as tape:
+                values = dict(zip(seg.inputs, inputs))
+                updates = self._run_segment(seg, values, True, sharded)
+                y_pred = values[out]
+                y_pred = dtensor.relayout(
+                    y_pred, replicated(seg.mesh, y_pred.shape.rank)
+                )
+                loss = compile_loss(y, y_pred, sample_weight)
+            grads = tape.gradient(loss, dvars)
+            self.updater.apply(grads, dvars, hyper[0], hyper[1])
+            self._assign(updates)
+            return loss, y_pred
+
+        return fused
+
+    def _make_forward(self, index, training, sharded):
+        seg = self.segments[index]
+
+        @tf.function
+        def forward(inputs):
+            values = dict(zip(seg.inputs, inputs))
+            self._run_segment(seg, values, training, sharded)
+            return [
+                dtensor.relayout(
+                    values[t], replicated(seg.mesh, values[t].shape.rank)
+                )
+                for t in seg.outputs
+            ]
+
+        return forward
+
+    def _make_backward(self, index, sharded):
+        seg = self.segments[index]
+        dvars = self._seg_dvars(seg)
+
+        @tf.function
+        def backward(inputs, out_grads, hyper):
+            floats = [x for x in inputs if _is_float(x)]
+            with tf.GradientTape() as tape:
+                tape.watch(floats)
+                values = dict(zip(seg.inputs, inputs))
+                updates = self._run_segment(seg, values, True, sharded)
+                outs = [values[t] for t in seg.outputs]
+            grads = tape.gradient(
+                outs, floats + dvars, output_gradients=out_grads
+            )
+            self.updater.apply(grads[len(floats):], dvars, hyper[0], hyper[1])
+            self._assign(updates)
+            result, it = [], iter(grads[: len(floats)])
+            for x in inputs:
+                g = next(it) if _is_float(x) else None
+                if g is not None:
+                    g = dtensor.relayout(
+                        g, replicated(seg.mesh, g.shape.rank)
+                    )
+                result.append(g)
+            return result
+
+        return backward
+
+    def _make_loss(self):
+        model = self.model
+
+        @tf.function
+        def loss_and_grads(x, y, y_pred_flat, sample_weight):
+            with tf.GradientTape() as tape:
+                tape.watch(y_pred_flat)
+                y_pred = self._pack_outputs(y_pred_flat)
+                loss = model._compile_loss(y, y_pred, sample_weight)
+            grads = tape.gradient(loss, y_pred_flat)
+            logs = self._update_metrics(x, y, y_pred, sample_weight, loss)
+            return logs, grads
+
+        return loss_and_grads
+
+    def _make_metrics(self, with_loss):
+        model = self.model
+
+        @tf.function
+        def metrics(x, y, y_pred_flat, sample_weight, loss):
+            y_pred = self._pack_outputs(y_pred_flat)
+            if not with_loss:
+                loss = model._compile_loss(y, y_pred, sample_weight)
+            return self._update_metrics(x, y, y_pred, sample_weight, loss)
+
+        return metrics
+
+    def _update_metrics(self, x, y, y_pred, sample_weight, loss):
+        model = self.model
+        first = next(i for i in tree.flatten(x) if i is not None)
+        if loss is not None:
+            model._loss_tracker.update_state(
+                loss_module.unscale_loss_for_distribution(loss),
+                sample_weight=tf.shape(first)[0],
+            )
+        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _pack_outputs(self, flat):
+        struct = _function_of(self.model)._outputs_struct
+        return tree.pack_sequence_as(struct, list(flat))
+
+    # -- eager steps ----------------------------------------------------------
+
+    def _flat_inputs(self, x) -> list:
+        function = _function_of(self.model)
+        flat = function._standardize_inputs(x)
+        return [tf.convert_to_tensor(v) for v in flat]
+
+    def _forward_all(self, flat_x, training, sharded):
+        """Runs every segment forward; returns boundary values and inputs."""
+        values = dict(zip(self.graph.inputs, flat_x))
+        seg_inputs = []
+        for i, seg in enumerate(self.segments):
+            ins = tuple(_to_mesh(values[t], seg.mesh) for t in seg.inputs)
+            seg_inputs.append(ins)
+            outs = self._fn("forward", i, training, sharded)(ins)
+            for t, v in zip(seg.outputs, outs):
+                values[t] = _local(v)
+        return values, seg_inputs
+
+    def _hyper(self, mesh):
+        opt = self.model.optimizer
+        lr = tf.cast(opt._get_current_learning_rate(), tf.float32)
+        step = tf.cast(opt.iterations + 1, tf.float32)
+        return _to_mesh(tf.stack([lr, step]), mesh)
+
+    def train_batch(self, data) -> dict:
+        if self.updater is None:
+            self.updater = Updater(
+                self.model.optimizer, self.store, self.trainable
+            )
+        x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
+        flat_x = self._flat_inputs(x)
+        sharded = self._sharded_batch(int(flat_x[0].shape[0]))
+        if self.fused:
+            seg = self.segments[0]
+            values = dict(zip(self.graph.inputs, flat_x))
+            ins = tuple(_to_mesh(values[t], seg.mesh) for t in seg.inputs)
+            y_d = tree.map_structure(lambda v: _to_mesh(v, seg.mesh), y)
+            sw_d = tree.map_structure(lambda v: _to_mesh(v, seg.mesh), sw)
+            loss, y_pred = self._fn("fused_train", sharded)(
+                ins, y_d, sw_d, self._hyper(seg.mesh)
+            )
+            logs = self._fn("metrics", True)(
+                x, y, [_local(y_pred)], sw, _local(loss)
+            )
+        else:
+            logs = self._train_segments(flat_x, x, y, sw, sharded)
+        self.model.optimizer.iterations.assign_add(1)
+        self.dirty = True
+        return logs
+
+    def _train_segments(self, flat_x, x, y, sw, sharded):
+        values, seg_inputs = self._forward_all(flat_x, True, sharded)
+        y_pred = [values[t] for t in self.graph.outputs]
+        logs, dys = self._fn("loss")(x, y, y_pred, sw)
+        grads: dict[str, Any] = {}
+        for t, g in zip(self.graph.outputs, dys):
+            if g is not None:
+                grads[t] = grads[t] + g if t in grads else g
+        for i in reversed(range(len(self.segments))):
+            seg = self.segments[i]
+            out_grads = [
+                _to_mesh(
+                    grads[t] if t in grads else tf.zeros_like(values[t]),
+                    seg.mesh,
+                )
+                for t in seg.outputs
+            ]
+            in_grads = self._fn("backward", i, sharded)(
+                seg_inputs[i], out_grads, self._hyper(seg.mesh)
+            )
+            for t, g in zip(seg.inputs, in_grads):
+                if g is None or t in self.graph.inputs:
+                    continue
+                g = _local(g)
+                grads[t] = grads[t] + g if t in grads else g
+        return logs
+
+    def test_batch(self, data) -> dict:
+        x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
+        y_pred = self._predict_flat(x)
+        return self._fn("metrics", False)(x, y, y_pred, sw, None)
+
+    def _predict_flat(self, x) -> list:
+        flat_x = self._flat_inputs(x)
+        sharded = self._sharded_batch(int(flat_x[0].shape[0]))
+        values, _ = self._forward_all(flat_x, False, sharded)
+        return [values[t] for t in self.graph.outputs]
+
+    def predict_batch(self, x) -> Any:
+        return self._pack_outputs(self._predict_flat(x))
+
+    # -- Keras-facing functions ---------------------------------------------
+
+    def make_function(self, kind: str):
+        """`train_function(iterator)` / `test_function(iterator)` /
+        `predict_function(data)` with the contract of Keras's TF trainer."""
+        model = self.model
+
+        if kind == "predict":
+
+            def predict_function(data):
+                outputs = None
+                for batch in data:
+                    x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(
+                        batch
+                    )
+                    out = self.predict_batch(x)
+                    if outputs is None:
+                        outputs = out
+                    else:
+                        outputs = tree.map_structure(
+                            lambda a, b: tf.concat([a, b], 0), outputs, out
+                        )
+                return outputs
+
+            return predict_function
+
+        step = self.train_batch if kind == "train" else self.test_batch
+
+        def function(iterator):
+            logs = None
+            for _ in range(model.steps_per_execution):
+                try:
+                    data = next(iterator)
+                except (StopIteration, tf.errors.OutOfRangeError):
+                    if logs is None:
+                        raise StopIteration
+                    break
+                logs = step(data)
+            return logs
+
+        return function

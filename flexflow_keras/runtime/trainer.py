@@ -1,0 +1,165 @@
+"""`StrategyTrainer`: Keras's own fit/evaluate/predict, our step functions.
+
+Put it before `keras.Model` in the bases (`class Model(StrategyTrainer,
+keras.Model)`). Keras's TensorFlow trainer keeps driving epochs, data
+adapters, callbacks and History; only `make_{train,test,predict}_function`
+change, to run the strategy's DTensor steps once one is attached.
+
+Weight sync (decided): the DVariables hold the truth while training. They
+are copied into the Keras variables at every epoch end (before any other
+callback's `on_epoch_end`, so ModelCheckpoint and custom callbacks see the
+trained values), after `fit`, and before `get_weights`, `save` and
+`save_weights`. Keras values are copied in at the start of `fit`, of each
+epoch, of `evaluate` and `predict` (so `set_weights`, `load_weights` and
+EarlyStopping's restore take effect). Per-batch callbacks that read
+variables directly see the values of the last epoch end.
+"""
+
+from typing import Any
+
+import keras
+
+from flexflow_keras.runtime.step import Executor
+
+
+def attach_strategy(model: Any, graph: Any, strategy: Any) -> None:
+    """Runs `model`'s fit/evaluate/predict under `strategy` from now on.
+
+    Args:
+        model: A compiled `StrategyTrainer` model.
+        graph: `build_graph(model, batch_size)`.
+        strategy: A `Strategy` for `graph`; device ids refer to
+            `flexflow_keras.devices.device_names()`, so a strategy found
+            for a preset machine runs on any attached machine with as many
+            devices.
+    """
+    from flexflow_keras import devices
+
+    if not isinstance(model, StrategyTrainer):
+        raise ValueError(
+            "attach_strategy needs a model whose class derives from "
+            f"StrategyTrainer. Received: {type(model).__name__}."
+        )
+    detach_strategy(model)
+    model._ff_executor = Executor(
+        model, graph, strategy, devices.device_names()
+    )
+    model._ff_executor.dirty = False
+
+
+def detach_strategy(model: Any) -> None:
+    """Back to plain Keras training (trained values kept)."""
+    executor = getattr(model, "_ff_executor", None)
+    if executor is not None:
+        executor.sync_out()
+    model._ff_executor = None
+    model.train_function = None
+    model.test_function = None
+    model.predict_function = None
+
+
+class _SyncCallback(keras.callbacks.Callback):
+    def __init__(self, executor: Executor):
+        super().__init__()
+        self._executor = executor
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._executor.sync_in()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._executor.sync_out()
+
+    def on_train_end(self, logs=None):
+        self._executor.sync_out()
+
+
+class StrategyTrainer:
+    """Mixin: runs Keras training loops with a strategy's DTensor steps."""
+
+    _ff_executor = None
+
+    def _attach_strategy(self, graph: Any, strategy: Any) -> None:
+        attach_strategy(self, graph, strategy)
+
+    def _detach_strategy(self) -> None:
+        detach_strategy(self)
+
+    @property
+    def strategy_executor(self) -> Executor | None:
+        return self._ff_executor
+
+    def make_train_function(self, force=False):
+        if self._ff_executor is None:
+            return super().make_train_function(force=force)
+        if self.train_function is None or force:
+            self.train_function = self._ff_executor.make_function("train")
+        return self.train_function
+
+    def make_test_function(self, force=False):
+        if self._ff_executor is None:
+            return super().make_test_function(force=force)
+        if self.test_function is None or force:
+            self.test_function = self._ff_executor.make_function("test")
+        return self.test_function
+
+    def make_predict_function(self, force=False):
+        if self._ff_executor is None:
+            return super().make_predict_function(force=force)
+        if self.predict_function is None or force:
+            self.predict_function = self._ff_executor.make_function(
+                "predict"
+            )
+        return self.predict_function
+
+    def fit(self, x=None, y=None, batch_size=None, epochs=1,
+            verbose="auto", callbacks=None, **kwargs):
+        executor = self._ff_executor
+        if executor is None:
+            return super().fit(x, y, batch_size, epochs, verbose, callbacks,
+                               **kwargs)
+        sync = _SyncCallback(executor)
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks.callbacks.insert(0, sync)
+            sync.set_model(self)
+        else:
+            callbacks = [sync] + list(callbacks or [])
+        executor.sync_in()
+        try:
+            return super().fit(x, y, batch_size, epochs, verbose, callbacks,
+                               **kwargs)
+        finally:
+            executor.sync_out()
+
+    def evaluate(self, *args, **kwargs):
+        if self._ff_executor is not None:
+            self._ff_executor.sync_in()
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        if self._ff_executor is not None:
+            self._ff_executor.sync_in()
+        return super().predict(*args, **kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        if self._ff_executor is not None:
+            self._ff_executor.sync_in()
+        try:
+            return super().train_on_batch(*args, **kwargs)
+        finally:
+            if self._ff_executor is not None:
+                self._ff_executor.sync_out()
+
+    def get_weights(self):
+        if self._ff_executor is not None:
+            self._ff_executor.sync_out()
+        return super().get_weights()
+
+    def save(self, *args, **kwargs):
+        if self._ff_executor is not None:
+            self._ff_executor.sync_out()
+        return super().save(*args, **kwargs)
+
+    def save_weights(self, *args, **kwargs):
+        if self._ff_executor is not None:
+            self._ff_executor.sync_out()
+        return super().save_weights(*args, **kwargs)
