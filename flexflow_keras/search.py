@@ -218,15 +218,30 @@ def _print(line: str) -> None:
 
 def report(result: SearchResult) -> str:
     """FlexFlow's "Best Discovered Strategy" block and the speed-up."""
+    if math.isinf(result.best_ms):
+        summary = (
+            "No strategy found fits in device memory (data parallelism "
+            "included): use more devices, a smaller batch or a larger "
+            "search budget."
+        )
+    elif math.isinf(result.data_parallel_ms):
+        summary = (
+            f"Best simulated step time: {result.best_ms:.3f} ms; data "
+            "parallelism does not fit in device memory."
+        )
+    else:
+        summary = (
+            f"Best simulated step time: {result.best_ms:.3f} ms "
+            f"(data parallelism: {result.data_parallel_ms:.3f} ms); "
+            f"simulated speed-up over data parallelism: "
+            f"{result.speedup:.2f}x"
+        )
     lines = [
         "=========== Best Discovered Strategy ==========",
         result.strategy.to_text().rstrip("\n"),
         "============= MCMC Search Finished ============",
-        f"Best simulated step time: {result.best_ms:.3f} ms "
-        f"(data parallelism: {result.data_parallel_ms:.3f} ms); "
-        f"simulated speed-up over data parallelism: "
-        f"{result.speedup:.2f}x after {result.iterations} iterations "
-        f"in {result.wall_s:.1f} s.",
+        f"{summary} after {result.iterations} iterations in "
+        f"{result.wall_s:.1f} s.",
     ]
     return "\n".join(lines)
 

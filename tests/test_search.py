@@ -311,3 +311,25 @@ class PropagationTest(unittest.TestCase):
         result.strategy.validate(graph, 4)
         self.assertTrue(proposals)
         self.assertLessEqual(set(proposals), set(initial.values()))
+
+
+class ReportTest(unittest.TestCase):
+    def make(self, best_ms, data_parallel_ms):
+        strategy = Strategy({"d": ParallelConfig((2, 1), (0, 1))})
+        return search_lib.SearchResult(strategy, best_ms, data_parallel_ms,
+                                       iterations=10, wall_s=0.5)
+
+    def test_speedup_line(self):
+        text = search_lib.report(self.make(2.0, 5.0))
+        self.assertIn("[d] num_dims(2) dims[2,1] device_ids[0,1]", text)
+        self.assertIn("speed-up over data parallelism: 2.50x after 10 "
+                      "iterations", text)
+
+    def test_data_parallel_out_of_memory(self):
+        text = search_lib.report(self.make(2.0, math.inf))
+        self.assertIn("data parallelism does not fit in device memory",
+                      text)
+
+    def test_nothing_fits(self):
+        text = search_lib.report(self.make(math.inf, math.inf))
+        self.assertIn("No strategy found fits in device memory", text)
