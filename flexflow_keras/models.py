@@ -1,25 +1,179 @@
 """`Model` and `Sequential`: Keras models whose compile() plans parallelism.
 
-Only wires the stages together (graph -> search -> runtime); each stage
-lives in its own module.
+Only wires Keras to the stages (planner: graph -> search or import;
+runtime: DTensor execution). The search needs the global batch size: it
+runs in `compile()` when that is known (`compile(batch_size=...)` or a
+fixed batch dim in `keras.Input`), else at the start of the first `fit()`
+for the batch size that fit uses. A plan is kept per batch size.
 """
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
 import keras
+import numpy as np
 from keras.models import clone_model, model_from_json  # noqa: F401
 from keras.models import save_model  # noqa: F401
 from keras.src import api_export
+from keras.src.saving import serialization_lib
+
+from flexflow_keras import settings as settings_lib
+from flexflow_keras.runtime import StrategyTrainer
+
+# compile() keywords that are ours, not Keras's.
+_OUR_COMPILE_ARGS = settings_lib.FIELDS + ("batch_size",)
+_KERAS_DEFAULT_BATCH_SIZE = 32
 
 
-class Model(keras.Model):
-    """A `keras.Model` that searches a parallel strategy at `compile()`."""
+class _PlanningModel(StrategyTrainer):
+    """compile()/fit() glue shared by `Model` and `Sequential`."""
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """`keras.Model.compile`, plus the parallelization settings.
+
+        Args:
+            search_budget: MCMC iterations (0: data parallelism).
+            search_alpha: MCMC acceptance factor, default 0.05.
+            search_seed: Seed for a reproducible search.
+            export_strategy: Path (`.pb` or `.txt`) to write the strategy.
+            import_strategy: Strategy file to use instead of searching.
+            machine: Preset name or JSON spec to plan for (default: the
+                attached devices).
+            batch_size: Global batch size to plan for now; by default the
+                plan is made at the first `fit()`.
+            *args, **kwargs: As for `keras.Model.compile`.
+        """
+        ours = {k: kwargs.pop(k) for k in _OUR_COMPILE_ARGS if k in kwargs}
+        batch_size = ours.pop("batch_size", None)
+        super().compile(*args, **kwargs)
+        self._ff_settings = settings_lib.resolve(ours)
+        self._ff_plans = {}
+        self._ff_plan = None
+        if batch_size is None:
+            batch_size = self._static_batch_size()
+        if batch_size is not None:
+            self._ensure_plan(int(batch_size))
+
+    def compile_from_config(self, config: dict) -> None:
+        """Recompiles a loaded model (Keras skips overridden compile())."""
+        config = serialization_lib.deserialize_keras_object(config)
+        self.compile(**config)
+        if hasattr(self, "optimizer") and self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    @property
+    def strategy(self) -> Any:
+        """The `Strategy` fit() runs under, or None before planning."""
+        plan = getattr(self, "_ff_plan", None)
+        return None if plan is None else plan.strategy
+
+    @property
+    def plan(self) -> Any:
+        """The last `planner.Plan` (graph, strategy, search result)."""
+        return getattr(self, "_ff_plan", None)
+
+    def fit(
+        self, x: Any = None, y: Any = None, batch_size: Any = None,
+        *args: Any, **kwargs: Any,
+    ) -> Any:
+        if getattr(self, "_ff_settings", None) is not None:
+            found, x = _peek_batch(x, batch_size)
+            if not self.built and found.input_shape is not None:
+                self.build(found.input_shape)
+            self._ensure_plan(found.batch_size)
+        return super().fit(x, y, batch_size, *args, **kwargs)
+
+    def summary(self, *args: Any, **kwargs: Any) -> None:
+        """Keras's summary, then each op's config and simulated time."""
+        super().summary(*args, **kwargs)
+        plan = self.plan
+        if plan is None:
+            return
+        from flexflow_keras.search import strategy_table
+
+        print_fn = kwargs.get("print_fn") or print
+        print_fn(strategy_table(plan.graph, plan.strategy, plan.per_op_ms))
+
+    def _static_batch_size(self) -> int | None:
+        try:
+            shapes = [tuple(t.shape) for t in self.inputs]
+        except (AttributeError, ValueError):
+            return None
+        batches = {s[0] for s in shapes if s}
+        if len(batches) == 1 and None not in batches:
+            return int(batches.pop())
+        return None
+
+    def _ensure_plan(self, batch_size: int) -> None:
+        """Plans for `batch_size` once, then attaches it to the runtime."""
+        from flexflow_keras import planner, runtime
+
+        plan = self._ff_plans.get(batch_size)
+        if plan is None:
+            plan = planner.make_plan(
+                self, batch_size, self._ff_settings,
+                optimizer=getattr(self, "optimizer", None),
+            )
+            self._ff_plans[batch_size] = plan
+        if plan is not self._ff_plan:
+            runtime.attach_strategy(self, plan.graph, plan.strategy)
+            self._ff_plan = plan
 
 
-class Sequential(keras.Sequential):
+class Model(_PlanningModel, keras.Model):
+    """A `keras.Model` that searches a parallel strategy at `compile()`.
+
+    Same constructor and methods as `keras.Model`; `compile()` takes the
+    search settings (see `_PlanningModel.compile`), `fit()`, `evaluate()`
+    and `predict()` run under the chosen strategy, `model.strategy` holds
+    it and `summary()` lists it.
+    """
+
+
+class Sequential(_PlanningModel, keras.Sequential):
     """A `keras.Sequential` that searches a parallel strategy at `compile()`."""
+
+
+class _Peeked:
+    """Batch size and input shape read from fit()'s data."""
+
+    def __init__(self, batch_size: int, input_shape: Any = None):
+        self.batch_size = batch_size
+        self.input_shape = input_shape
+
+
+def _peek_batch(x: Any, batch_size: int | None) -> tuple[_Peeked, Any]:
+    """The global batch fit() will use, without losing any data.
+
+    Returns the batch size, the model input shape (for unbuilt Sequential
+    models) and `x`, rebuilt when peeking consumed a generator's element.
+    """
+    import tensorflow as tf
+
+    first = None
+    if isinstance(x, tf.data.Dataset):
+        first = next(iter(x.take(1)))
+    elif isinstance(x, keras.utils.PyDataset):
+        first = x[0]
+    elif hasattr(x, "__next__"):
+        first = next(x)
+        x = itertools.chain([first], x)
+    if first is not None:
+        inputs = first[0] if isinstance(first, tuple) else first
+        leaf = keras.tree.flatten(inputs)[0]
+        return _Peeked(int(leaf.shape[0]), _shape_of(inputs)), x
+    size = _KERAS_DEFAULT_BATCH_SIZE if batch_size is None else batch_size
+    return _Peeked(int(size), _shape_of(x)), x
+
+
+def _shape_of(inputs: Any) -> Any:
+    if inputs is None:
+        return None
+    shapes = [(None,) + tuple(np.shape(t))[1:] for t in keras.tree.flatten(
+        inputs)]
+    return shapes[0] if len(shapes) == 1 else shapes
 
 
 # Saved files name the Keras classes, so plain `keras.models.load_model`
@@ -37,7 +191,7 @@ _OWN_CLASSES = {
 def _keras_names_load_as_ours() -> Iterator[None]:
     """While loading, Keras's model class names resolve to our classes.
 
-    Why: saved configs name `keras.Model`/`keras.Functional` with no
+    Why: saved configs name `keras.Model`/`keras.Sequential` with no
     registered name, so `custom_objects` is never consulted for them.
     """
     table = api_export.REGISTERED_NAMES_TO_OBJS

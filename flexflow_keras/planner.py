@@ -1,0 +1,117 @@
+"""The compile-time pipeline: model -> OpGraph -> strategy (searched or read).
+
+Why a module of its own: `models.py` only wires Keras to these stages,
+and the command line (`python -m flexflow_keras`) plans the same way.
+"""
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from flexflow_keras.graph import OpGraph, build_graph
+from flexflow_keras.settings import Settings
+from flexflow_keras.strategy import Strategy
+
+# Optimizer state per weight element, for the simulator's memory figures.
+_SLOTS = {
+    "SGD": 0, "Adam": 2, "AdamW": 2, "Adamax": 2, "Nadam": 2, "Adadelta": 2,
+    "Ftrl": 2, "RMSprop": 1, "Adagrad": 1, "Lion": 1, "Lamb": 2, "Muon": 1,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What compile() decided for one global batch size.
+
+    Args:
+        graph: The model's OpGraph at that batch size.
+        strategy: The chosen strategy.
+        source: `search`, `import` or `data_parallel`.
+        search_result: The search's result, when one ran.
+        machine: The machine model the strategy was planned for.
+        step_ms: Simulated step time of the strategy.
+        per_op_ms: Op name -> simulated forward + backward time of its
+            slowest part, for `summary()`.
+    """
+
+    graph: OpGraph
+    strategy: Strategy
+    source: str
+    search_result: Any = None
+    machine: Any = None
+    step_ms: float | None = None
+    per_op_ms: Mapping[str, float] | None = None
+
+
+def optimizer_slots(optimizer: Any) -> int:
+    """Optimizer slot variables per weight (0 for plain SGD)."""
+    name = type(optimizer).__name__
+    slots = _SLOTS.get(name, 2)
+    if name == "SGD" and getattr(optimizer, "momentum", 0):
+        slots = 1
+    if name == "RMSprop":
+        slots += bool(getattr(optimizer, "momentum", 0))
+        slots += bool(getattr(optimizer, "centered", False))
+    return slots
+
+
+def make_plan(
+    model: Any,
+    batch_size: int,
+    settings: Settings,
+    optimizer: Any = None,
+    verbose: int = 1,
+) -> Plan:
+    """Builds the graph and picks its strategy, per the settings.
+
+    An imported strategy is used as is (no search); a budget of 0 keeps
+    data parallelism; otherwise MCMC searches from data parallelism.
+    """
+    from flexflow_keras import machine as machine_lib
+    from flexflow_keras import search, simulator, strategy_files
+
+    graph = build_graph(model, batch_size)
+    machine = machine_lib.load_machine(settings.machine)
+    num_devices = machine.num_devices
+    sim = simulator.Simulator(
+        graph, machine, optimizer_slots=optimizer_slots(optimizer)
+    )
+    if settings.import_strategy:
+        strategy = strategy_files.load_strategy(
+            settings.import_strategy, graph, num_devices
+        )
+        plan = Plan(graph, strategy, "import", machine=machine)
+    elif settings.search_budget == 0:
+        strategy = Strategy.data_parallel(graph, num_devices)
+        plan = Plan(graph, strategy, "data_parallel", machine=machine)
+    else:
+        result = search.search(
+            graph,
+            sim,
+            num_devices,
+            budget=settings.search_budget,
+            alpha=settings.search_alpha,
+            seed=settings.search_seed,
+            verbose=verbose,
+        )
+        plan = Plan(graph, result.strategy, "search", result, machine)
+    if settings.export_strategy:
+        strategy_files.save_strategy(plan.strategy, settings.export_strategy)
+    return dataclasses.replace(
+        plan,
+        step_ms=sim.simulate(plan.strategy).step_ms,
+        per_op_ms=_per_op_ms(graph, plan.strategy, sim.cost),
+    )
+
+
+def _per_op_ms(
+    graph: OpGraph, strategy: Strategy, cost: Any
+) -> dict[str, float]:
+    """Forward + backward ms of each op's slowest part."""
+    return {
+        op.name: max(
+            sum(cost.op_cost(op, strategy[op.name], device))
+            for device in strategy[op.name].device_ids
+        )
+        for op in graph
+    }
