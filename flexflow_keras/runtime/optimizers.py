@@ -92,74 +92,81 @@ class Updater:
             )
 
     def apply(self, grads: list, dvars: list, lr: Any, step: Any) -> None:
-        """Updates `dvars` with `grads`; lr and step are scalar DTensors."""
+        """Updates `dvars` with `grads`; lr and step are scalar DTensors.
+
+        Rules are written as pure functions of values read once, then
+        assigned: a DVariable read after an assign in the same function
+        was seen to return the old value on a multi-device mesh.
+        """
         wd = getattr(self.optimizer, "weight_decay", None)
-        if wd:
-            for dvar in dvars:
-                if self._decay[id(dvar)]:
-                    dvar.assign(dvar - dvar * tf.cast(wd, dvar.dtype) * lr)
+        rule = getattr(self, "_" + self.kind.lower())
         for grad, dvar in zip(grads, dvars):
             if grad is None:
                 continue
-            grad = tf.cast(grad, dvar.dtype)
-            getattr(self, "_" + self.kind.lower())(
-                grad, dvar, self._slots[id(dvar)], lr, step
-            )
+            value = tf.convert_to_tensor(dvar)
+            lr_v = tf.cast(lr, value.dtype)
+            if wd and self._decay[id(dvar)]:
+                value = value - value * tf.cast(wd, value.dtype) * lr_v
+            slots = self._slots[id(dvar)]
+            state = {k: tf.convert_to_tensor(v) for k, v in slots.items()}
+            grad = tf.cast(grad, value.dtype)
+            value, state = rule(grad, value, state, lr_v, step)
+            for name, new in state.items():
+                slots[name].assign(new)
+            dvar.assign(value)
 
-    def _sgd(self, g, var, slots, lr, step):
+    def _sgd(self, g, var, state, lr, step):
         momentum = self.optimizer.momentum
-        if not slots:
-            var.assign_sub(g * lr)
-            return
-        m = slots["momentum"]
-        m.assign(m * momentum - g * lr)
+        if not state:
+            return var - g * lr, state
+        m = state["momentum"] * momentum - g * lr
         if self.optimizer.nesterov:
-            var.assign_add(m * momentum - g * lr)
+            var = var + (m * momentum - g * lr)
         else:
-            var.assign_add(m)
+            var = var + m
+        return var, {"momentum": m}
 
-    def _adam(self, g, var, slots, lr, step):
+    def _adam(self, g, var, state, lr, step):
         opt = self.optimizer
         beta_1 = tf.cast(opt.beta_1, var.dtype)
         beta_2 = tf.cast(opt.beta_2, var.dtype)
-        beta_1_power = tf.pow(beta_1, step)
-        beta_2_power = tf.pow(beta_2, step)
-        m, v = slots["m"], slots["v"]
+        local_step = tf.cast(step, var.dtype)
+        beta_1_power = tf.pow(beta_1, local_step)
+        beta_2_power = tf.pow(beta_2, local_step)
         alpha = lr * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-        m.assign_add((g - m) * (1 - opt.beta_1))
-        v.assign_add((tf.square(g) - v) * (1 - opt.beta_2))
-        v_value = v
+        m = state["m"] + (g - state["m"]) * (1 - opt.beta_1)
+        v = state["v"] + (tf.square(g) - state["v"]) * (1 - opt.beta_2)
+        new = {"m": m, "v": v}
         if opt.amsgrad:
-            v_hat = slots["v_hat"]
-            v_hat.assign(tf.maximum(v_hat, v))
-            v_value = v_hat
-        var.assign_sub((m * alpha) / (tf.sqrt(v_value) + opt.epsilon))
+            v = tf.maximum(state["v_hat"], v)
+            new["v_hat"] = v
+        var = var - (m * alpha) / (tf.sqrt(v) + opt.epsilon)
+        return var, new
 
     _adamw = _adam
 
-    def _rmsprop(self, g, var, slots, lr, step):
+    def _rmsprop(self, g, var, state, lr, step):
         opt = self.optimizer
         rho = opt.rho
-        velocity = slots["velocity"]
-        velocity.assign(rho * velocity + (1 - rho) * tf.square(g))
+        velocity = rho * state["velocity"] + (1 - rho) * tf.square(g)
+        new = {"velocity": velocity}
         if opt.centered:
-            avg = slots["average_grad"]
-            avg.assign(rho * avg + (1 - rho) * g)
+            avg = rho * state["average_grad"] + (1 - rho) * g
+            new["average_grad"] = avg
             denominator = velocity - tf.square(avg) + opt.epsilon
         else:
             denominator = velocity + opt.epsilon
         increment = (lr * g) / tf.sqrt(denominator)
         if opt.momentum > 0:
-            momentum = slots["momentum"]
-            momentum.assign(opt.momentum * momentum + increment)
-            var.assign_sub(momentum)
-        else:
-            var.assign_sub(increment)
+            momentum = opt.momentum * state["momentum"] + increment
+            new["momentum"] = momentum
+            return var - momentum, new
+        return var - increment, new
 
-    def _adagrad(self, g, var, slots, lr, step):
-        acc = slots["accumulator"]
-        acc.assign_add(tf.square(g))
-        var.assign_sub((lr * g) / tf.sqrt(acc + self.optimizer.epsilon))
+    def _adagrad(self, g, var, state, lr, step):
+        acc = state["accumulator"] + tf.square(g)
+        var = var - (lr * g) / tf.sqrt(acc + self.optimizer.epsilon)
+        return var, {"accumulator": acc}
 
 
 def _filled(layout: Any, shape: tuple, value: float, dtype: Any) -> Any:
