@@ -304,6 +304,11 @@ def build_graph(model: Any, batch_size: int) -> OpGraph:
     )
 
 
+def has_graph(model: Any) -> bool:
+    """Whether `build_graph` can walk `model` (functional or Sequential)."""
+    return _as_function(model) is not None
+
+
 def _as_function(model: Any) -> Any:
     """The Keras `Function` behind a model, or None if it has none."""
     from keras.src.models.functional import Functional

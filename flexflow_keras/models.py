@@ -9,6 +9,7 @@ for the batch size that fit uses. A plan is kept per batch size.
 
 import contextlib
 import itertools
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +18,9 @@ import numpy as np
 from keras.models import clone_model, model_from_json  # noqa: F401
 from keras.models import save_model  # noqa: F401
 from keras.src import api_export
+from keras.src.models.functional import Functional as KerasFunctional
+from keras.src.models.model import Trainer as KerasTrainer
+from keras.src.models.model import functional_init_arguments
 from keras.src.saving import serialization_lib
 
 from flexflow_keras import settings as settings_lib
@@ -109,7 +113,19 @@ class _PlanningModel(StrategyTrainer):
     def _ensure_plan(self, batch_size: int) -> None:
         """Plans for `batch_size` once, then attaches it to the runtime."""
         from flexflow_keras import planner, runtime
+        from flexflow_keras.graph import has_graph
 
+        if not has_graph(self):
+            if not getattr(self, "_ff_warned_no_graph", False):
+                warnings.warn(
+                    f"Model '{self.name}' is a subclassed model with no "
+                    "graph of layers to parallelize, so it trains as plain "
+                    "Keras on one device. Build it with `keras.Input(...)` "
+                    "(functional or Sequential) to get a searched strategy.",
+                    stacklevel=3,
+                )
+                self._ff_warned_no_graph = True
+            return
         plan = self._ff_plans.get(batch_size)
         if plan is None:
             plan = planner.make_plan(
@@ -130,6 +146,45 @@ class Model(_PlanningModel, keras.Model):
     and `predict()` run under the chosen strategy, `model.strategy` holds
     it and `summary()` lists it.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Model":
+        # As `keras.Model` does for itself: functional arguments give a
+        # functional model. Keras would instead rewrite this class's bases
+        # in place (inject_functional_model_class), turning every later
+        # subclassed `Model` into a broken functional one.
+        if cls is Model and functional_init_arguments(args, kwargs):
+            return Functional.__new__(Functional, *args, **kwargs)
+        return super().__new__(cls, *args, **kwargs)
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        if functional_init_arguments(args, kwargs):
+            if not isinstance(self, KerasFunctional):
+                _inject_functional(type(self))
+            KerasTrainer.__init__(self)
+            KerasFunctional.__init__(self, *args, **kwargs)
+        else:
+            super().__init__(*args, **kwargs)
+
+
+class Functional(Model, KerasFunctional):
+    """What `Model(inputs, outputs)` builds: ours, and a Keras Functional.
+
+    Named like Keras's class so default model names stay `functional`.
+    """
+
+
+def _inject_functional(cls: type) -> type:
+    """Puts `Functional` under a user subclass of `Model`.
+
+    Like Keras's inject_functional_model_class, but never rewrites our
+    own `Model`, which later subclassed models share.
+    """
+    if cls is Model:
+        return Functional
+    if cls is object or not issubclass(cls, Model):
+        return cls
+    cls.__bases__ = tuple(_inject_functional(b) for b in cls.__bases__)
+    return cls
 
 
 class Sequential(_PlanningModel, keras.Sequential):
@@ -179,6 +234,7 @@ def _shape_of(inputs: Any) -> Any:
 # Saved files name the Keras classes, so plain `keras.models.load_model`
 # reads what flexflow_keras saves; `load_model` below maps them back.
 api_export.REGISTERED_OBJS_TO_NAMES[Model] = "keras.Model"
+api_export.REGISTERED_OBJS_TO_NAMES[Functional] = "keras.Model"
 api_export.REGISTERED_OBJS_TO_NAMES[Sequential] = "keras.Sequential"
 _OWN_CLASSES = {
     "keras.Model": Model,
@@ -218,7 +274,7 @@ def load_model(
     Reads files saved by plain Keras too.
     """
     # Plain Keras saves functional models as registered name `Functional`.
-    objects = {"Functional": Model}
+    objects = {"Functional": Model}  # Model(...) dispatches to Functional
     objects.update(custom_objects or {})
     with _keras_names_load_as_ours():
         return keras.models.load_model(

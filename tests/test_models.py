@@ -1,0 +1,217 @@
+"""compile()/fit() wiring: planning, flags, import/export, summary."""
+
+import io
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import unittest
+import warnings
+
+import keras
+import numpy as np
+
+import flexflow_keras
+from flexflow_keras import Model, Sequential, layers
+from flexflow_keras.strategy import ParallelConfig, Strategy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def small_mlp(seed: int = 0) -> Model:
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8,), name="x")
+    h = layers.Dense(16, activation="relu", name="hidden")(inputs)
+    return Model(inputs, layers.Dense(4, name="out")(h), name="small")
+
+
+def data(samples: int = 64):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(samples, 8)).astype("float32")
+    y = rng.normal(size=(samples, 4)).astype("float32")
+    return x, y
+
+
+class CompilePlanTest(unittest.TestCase):
+    def test_compile_with_batch_size_searches_now(self):
+        model = small_mlp()
+        model.compile("sgd", "mse", batch_size=16, search_budget=50,
+                      search_seed=0)
+        self.assertEqual(model.plan.source, "search")
+        self.assertEqual(model.plan.graph.batch_size, 16)
+        self.assertEqual(set(model.strategy), {"hidden", "out"})
+        self.assertEqual(model.plan.search_result.iterations, 50)
+
+    def test_plan_waits_for_fit_batch_size(self):
+        model = small_mlp()
+        model.compile("sgd", "mse", search_budget=0)
+        self.assertIsNone(model.strategy)
+        x, y = data()
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        self.assertEqual(model.plan.graph.batch_size, 8)
+        self.assertEqual(model.plan.source, "data_parallel")
+        self.assertEqual(
+            model.strategy, Strategy.data_parallel(model.plan.graph, 4)
+        )
+
+    def test_zero_budget_is_data_parallel(self):
+        model = small_mlp()
+        model.compile("sgd", "mse", batch_size=16, search_budget=0)
+        self.assertEqual(model.strategy["hidden"].dims, (4, 1))
+
+    def test_export_then_import_skips_search(self):
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "s.txt")
+            first = small_mlp()
+            first.compile("sgd", "mse", batch_size=16, search_budget=100,
+                          search_seed=1, export_strategy=path)
+            second = small_mlp()
+            second.compile("sgd", "mse", batch_size=16, import_strategy=path,
+                           search_budget=100)
+            self.assertEqual(second.plan.source, "import")
+            self.assertIsNone(second.plan.search_result)
+            self.assertEqual(second.strategy, first.strategy)
+
+    def test_imported_strategy_is_what_fit_runs(self):
+        strategy = Strategy({
+            "hidden": ParallelConfig((2, 2), (3, 2, 1, 0)),
+            "out": ParallelConfig((1, 1), (1,)),
+        })
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "s.pb")
+            flexflow_keras.strategy_files.save_strategy(strategy, path)
+            model = small_mlp()
+            model.compile("sgd", "mse", import_strategy=path)
+            x, y = data()
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        self.assertEqual(model.strategy, strategy)
+
+    def test_summary_lists_each_op_config(self):
+        model = small_mlp()
+        model.compile("sgd", "mse", batch_size=16, search_budget=0)
+        out = io.StringIO()
+        model.summary(print_fn=lambda line, **kw: out.write(line + "\n"))
+        text = out.getvalue()
+        row = next(l for l in text.splitlines() if l.startswith("hidden"))
+        self.assertIn("sample=4", row)
+        self.assertIn("0-3", row)
+        self.assertIn("Time (ms)", text)
+
+    def test_unknown_compile_setting_is_rejected(self):
+        with self.assertRaisesRegex(TypeError, "search_budgte"):
+            small_mlp().compile("sgd", "mse", search_budgte=3)
+
+    def test_batch_not_divisible_by_devices_says_so(self):
+        model = small_mlp()
+        with self.assertRaisesRegex(ValueError, "batch_size=6"):
+            model.compile("sgd", "mse", batch_size=6, search_budget=0)
+
+
+class DropInTest(unittest.TestCase):
+    def test_same_losses_as_plain_keras(self):
+        x, y = data(96)
+        ours = small_mlp(seed=3)
+        plain = keras.Model.from_config(ours.get_config())
+        plain.set_weights(ours.get_weights())
+        ours.compile("adam", "mse", search_budget=30, search_seed=0)
+        plain.compile("adam", "mse")
+        kwargs = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+        got = ours.fit(x, y, **kwargs).history["loss"]
+        want = plain.fit(x, y, **kwargs).history["loss"]
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        for a, b in zip(ours.get_weights(), plain.get_weights()):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+    def test_sequential_without_input_plans_at_fit(self):
+        keras.utils.set_random_seed(0)
+        model = Sequential([layers.Dense(8, activation="relu"),
+                            layers.Dense(4)])
+        model.compile("sgd", "mse", search_budget=0)
+        x, y = data()
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        self.assertEqual(model.plan.graph.batch_size, 16)
+
+    def test_subclassed_model_trains_as_plain_keras_with_warning(self):
+        class Custom(Model):
+            def __init__(self):
+                super().__init__()
+                self.dense = layers.Dense(4)
+
+            def call(self, x):
+                return self.dense(x)
+
+        model = Custom()
+        model.compile("sgd", "mse", search_budget=5)
+        x, y = data()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        self.assertTrue(any("subclassed" in str(w.message) for w in caught))
+        self.assertEqual(len(history.history["loss"]), 1)
+        self.assertIsNone(model.strategy)
+
+
+class ModelClassTest(unittest.TestCase):
+    def test_functional_subclass_leaves_model_class_intact(self):
+        class Wrapped(Model):
+            def __init__(self):
+                inputs = keras.Input((8,))
+                super().__init__(inputs, layers.Dense(4)(inputs))
+
+        wrapped = Wrapped()
+        self.assertIsInstance(wrapped, keras.Model)
+        self.assertEqual(wrapped.output_shape, (None, 4))
+        plain = small_mlp()
+        self.assertEqual(plain.name, "small")
+        self.assertEqual(Model.__bases__[-1], keras.Model)
+
+        class Custom(Model):
+            def __init__(self):
+                super().__init__()
+                self.dense = layers.Dense(2)
+
+            def call(self, x):
+                return self.dense(x)
+
+        self.assertEqual(Custom()(np.zeros((1, 3))).shape, (1, 2))
+
+
+class CommandLineTest(unittest.TestCase):
+    def test_script_flags_reach_compile_and_argparse_is_untouched(self):
+        script = textwrap.dedent("""
+            import argparse
+            import numpy as np
+            import flexflow_keras as keras
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--epochs", type=int)
+            args = parser.parse_args()
+            inputs = keras.Input((8,))
+            model = keras.Model(inputs, keras.layers.Dense(4)(inputs))
+            model.compile("sgd", "mse")
+            x = np.zeros((32, 8), "float32")
+            model.fit(x, np.zeros((32, 4)), batch_size=16,
+                      epochs=args.epochs, verbose=0)
+            print("source", model.plan.source, "epochs", args.epochs)
+        """)
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "train.py")
+            out_path = os.path.join(folder, "s.txt")
+            with open(path, "w") as f:
+                f.write(script)
+            env = dict(os.environ, FLEXFLOW_KERAS_SEARCH_BUDGET="7")
+            run = subprocess.run(
+                [sys.executable, path, "--epochs", "1", "--budget", "0",
+                 "--export", out_path, "--cpu-devices", "2"],
+                capture_output=True, text=True, env=env, cwd=ROOT,
+                timeout=300,
+            )
+            self.assertEqual(run.returncode, 0, run.stderr[-2000:])
+            self.assertIn("source data_parallel epochs 1", run.stdout)
+            with open(out_path) as f:
+                text = f.read()
+        self.assertIn("dims[2,1] device_ids[0,1]", text)
+
+
+if __name__ == "__main__":
+    unittest.main()
