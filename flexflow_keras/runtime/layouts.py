@@ -13,6 +13,7 @@ step runs one function per segment when there are several.
 """
 
 import dataclasses
+import warnings
 from typing import Any
 
 import numpy as np
@@ -188,7 +189,8 @@ def plan_ops(
     graph: OpGraph, strategy: Any, meshes: MeshCache
 ) -> tuple[OpPlan, ...]:
     """One `OpPlan` per op, checked against the graph."""
-    plans = []
+    plans: list[OpPlan] = []
+    by_name: dict[str, OpPlan] = {}
     for op in graph:
         if op.name not in strategy:
             raise ValueError(
@@ -216,9 +218,29 @@ def plan_ops(
                     f"equal parts. Received: dims={config.dims}."
                 )
         mesh = meshes.get(config.dims, config.device_ids)
+        owner = op.shares_weights_with and by_name.get(op.shares_weights_with)
+        if owner is not None and owner.mesh != mesh:
+            # The weights live once, on the owner's mesh; a call on another
+            # mesh would need their gradient summed across meshes. Run the
+            # call where its weights are: same values, other placement.
+            if op.output_shape != owner.op.output_shape:
+                raise NotImplementedError(
+                    f"Op '{op.name}' shares the weights of "
+                    f"'{owner.op.name}' but has another output shape and "
+                    "another mesh. Give both the same dims and device_ids."
+                )
+            warnings.warn(
+                f"Op '{op.name}' shares weights with '{owner.op.name}'; it "
+                f"runs with that op's config {strategy[owner.op.name]} "
+                f"instead of {config}.",
+                stacklevel=3,
+            )
+            config = strategy[owner.op.name]
+            mesh = owner.mesh
         plans.append(
             OpPlan(op, mesh, axis_of_dim(config.dims), config.dims[0])
         )
+        by_name[op.name] = plans[-1]
     return tuple(plans)
 
 

@@ -101,8 +101,17 @@ class Executor:
 
     # -- graph pieces (trace time) ------------------------------------------
 
-    def _sharded_batch(self, batch: int) -> bool:
-        return all(batch % p.batch_degree == 0 for p in self.plans)
+    def _variant(self, batch: int) -> tuple[bool, int]:
+        """(batch dim sharded?, batch): one traced function per batch size.
+
+        A batch of another size than the graph's (the last partial batch,
+        evaluate/predict batches) runs with the batch dim unsharded on the
+        same meshes. Measured: a Conv2D traced for batch 8 then for a
+        sharded batch 4 fails DTensor's SPMD expansion (global/local shape
+        mix-up), while unsharded it runs. Each batch size gets its own
+        function so no retrace relaxes the batch dim to None.
+        """
+        return batch == self.graph.batch_size, batch
 
     def _run_segment(self, seg, values, training, sharded):
         """Runs `seg`'s ops on `values` (name -> DTensor), in place.
@@ -164,7 +173,7 @@ class Executor:
             self._fns[full] = getattr(self, "_make_" + kind)(*key)
         return self._fns[full]
 
-    def _make_fused_train(self, sharded):
+    def _make_fused_train(self, sharded, batch):
         seg = self.segments[0]
         dvars = self._seg_dvars(seg)
         out = self.graph.outputs[0]
@@ -187,7 +196,7 @@ class Executor:
 
         return fused
 
-    def _make_forward(self, index, training, sharded):
+    def _make_forward(self, index, training, sharded, batch):
         seg = self.segments[index]
 
         @tf.function
@@ -203,7 +212,7 @@ class Executor:
 
         return forward
 
-    def _make_backward(self, index, sharded):
+    def _make_backward(self, index, sharded, batch):
         seg = self.segments[index]
         dvars = self._seg_dvars(seg)
 
@@ -280,14 +289,14 @@ class Executor:
         flat = function._standardize_inputs(x)
         return [tf.convert_to_tensor(v) for v in flat]
 
-    def _forward_all(self, flat_x, training, sharded):
+    def _forward_all(self, flat_x, training, variant):
         """Runs every segment forward; returns boundary values and inputs."""
         values = dict(zip(self.graph.inputs, flat_x))
         seg_inputs = []
         for i, seg in enumerate(self.segments):
             ins = tuple(_to_mesh(values[t], seg.mesh) for t in seg.inputs)
             seg_inputs.append(ins)
-            outs = self._fn("forward", i, training, sharded)(ins)
+            outs = self._fn("forward", i, training, *variant)(ins)
             for t, v in zip(seg.outputs, outs):
                 values[t] = _local(v)
         return values, seg_inputs
@@ -305,27 +314,27 @@ class Executor:
             )
         x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
         flat_x = self._flat_inputs(x)
-        sharded = self._sharded_batch(int(flat_x[0].shape[0]))
+        variant = self._variant(int(flat_x[0].shape[0]))
         if self.fused:
             seg = self.segments[0]
             values = dict(zip(self.graph.inputs, flat_x))
             ins = tuple(_to_mesh(values[t], seg.mesh) for t in seg.inputs)
             y_d = tree.map_structure(lambda v: _to_mesh(v, seg.mesh), y)
             sw_d = tree.map_structure(lambda v: _to_mesh(v, seg.mesh), sw)
-            loss, y_pred = self._fn("fused_train", sharded)(
+            loss, y_pred = self._fn("fused_train", *variant)(
                 ins, y_d, sw_d, self._hyper(seg.mesh)
             )
             logs = self._fn("metrics", True)(
                 x, y, [_local(y_pred)], sw, _local(loss)
             )
         else:
-            logs = self._train_segments(flat_x, x, y, sw, sharded)
+            logs = self._train_segments(flat_x, x, y, sw, variant)
         self.model.optimizer.iterations.assign_add(1)
         self.dirty = True
         return logs
 
-    def _train_segments(self, flat_x, x, y, sw, sharded):
-        values, seg_inputs = self._forward_all(flat_x, True, sharded)
+    def _train_segments(self, flat_x, x, y, sw, variant):
+        values, seg_inputs = self._forward_all(flat_x, True, variant)
         y_pred = [values[t] for t in self.graph.outputs]
         logs, dys = self._fn("loss")(x, y, y_pred, sw)
         grads: dict[str, Any] = {}
@@ -341,7 +350,7 @@ class Executor:
                 )
                 for t in seg.outputs
             ]
-            in_grads = self._fn("backward", i, sharded)(
+            in_grads = self._fn("backward", i, *variant)(
                 seg_inputs[i], out_grads, self._hyper(seg.mesh)
             )
             for t, g in zip(seg.inputs, in_grads):
@@ -358,8 +367,8 @@ class Executor:
 
     def _predict_flat(self, x) -> list:
         flat_x = self._flat_inputs(x)
-        sharded = self._sharded_batch(int(flat_x[0].shape[0]))
-        values, _ = self._forward_all(flat_x, False, sharded)
+        variant = self._variant(int(flat_x[0].shape[0]))
+        values, _ = self._forward_all(flat_x, False, variant)
         return [values[t] for t in self.graph.outputs]
 
     def predict_batch(self, x) -> Any:

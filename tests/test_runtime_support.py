@@ -1,0 +1,185 @@
+"""Helpers of the runtime tests: train a model both ways and compare.
+
+No tests here; `test_runtime_equivalence.py` and `test_runtime_keras.py`
+import it.
+"""
+
+import random
+
+import keras
+import numpy as np
+
+import model_zoo
+from flexflow_keras import runtime
+from flexflow_keras.graph import build_graph
+from flexflow_keras.strategy import ParallelConfig, Strategy
+
+NUM_DEVICES = 4
+
+
+class StrategyModel(runtime.StrategyTrainer, keras.Model):
+    """What models.py's Model is to the runtime: Keras + the mixin."""
+
+
+def _int_ids(n, rows, seed):
+    return np.random.default_rng(seed).integers(0, rows, (n, 1))
+
+
+# name -> (builder, data(n) -> (x, y), loss)
+def _dense_data(dim, out):
+    def data(n, seed=0):
+        rng = np.random.default_rng(seed)
+        x = rng.random((n, dim), dtype=np.float32)
+        y = rng.random((n, out), dtype=np.float32)
+        return x, y
+
+    return data
+
+
+def _cnn_data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.random((n, 8, 8, 3), dtype=np.float32)
+    y = rng.integers(0, 4, (n,))
+    return x, y
+
+
+def _concat_data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return (
+        [rng.random((n, 8), dtype=np.float32),
+         rng.random((n, 12), dtype=np.float32)],
+        rng.random((n, 1), dtype=np.float32),
+    )
+
+
+def _transformer_data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.random((n, 8, 16), dtype=np.float32)
+    return x, rng.random((n, 8, 16), dtype=np.float32)
+
+
+def _dlrm_data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = {"dense": rng.random((n, 4), dtype=np.float32)}
+    for i in range(2):
+        x[f"sparse_{i}"] = rng.integers(0, 20, (n, 1)).astype("int32")
+    return x, rng.random((n, 1), dtype=np.float32)
+
+
+def _shared_data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return (
+        [rng.random((n, 8), dtype=np.float32),
+         rng.random((n, 8), dtype=np.float32)],
+        rng.random((n, 1), dtype=np.float32),
+    )
+
+
+MODELS = {
+    "mlp": (
+        lambda: model_zoo.mlp(input_dim=8, hidden=(16, 16), classes=4),
+        _dense_data(8, 4), "mse",
+    ),
+    "cnn": (
+        lambda: model_zoo.cnn((8, 8, 3), (4, 8), classes=4, dropout_rate=0.0),
+        _cnn_data, "sparse_categorical_crossentropy",
+    ),
+    "two_input_concat": (model_zoo.two_input_concat, _concat_data, "mse"),
+    "nested": (model_zoo.nested, _dense_data(8, 1), "mse"),
+    "transformer": (
+        lambda: model_zoo.transformer_block(seq=8, dim=16, heads=2),
+        _transformer_data, "mse",
+    ),
+    "embedding": (
+        lambda: model_zoo.dlrm(2, 20, 4, 4, (8, 4), (8, 1)),
+        _dlrm_data, "mse",
+    ),
+    "shared_layer": (model_zoo.shared_layer, _shared_data, "mse"),
+}
+
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.01),
+    "momentum": lambda: keras.optimizers.SGD(0.01, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.001),
+}
+
+
+def data_parallel(graph):
+    return Strategy.data_parallel(graph, NUM_DEVICES)
+
+
+def placement(graph):
+    """Pure operator placement: op i whole on device i mod n."""
+    return Strategy({
+        op.name: ParallelConfig((1,) * max(op.rank, 1), (i % NUM_DEVICES,))
+        for i, op in enumerate(graph)
+    })
+
+
+def parameter(graph):
+    """Parameter split over all devices where an op has one, else DP."""
+    configs = dict(data_parallel(graph))
+    for op in graph:
+        dim = op.parameter_dim
+        if dim is not None and op.output_shape[dim] % NUM_DEVICES == 0:
+            dims = [1] * op.rank
+            dims[dim] = NUM_DEVICES
+            configs[op.name] = ParallelConfig(
+                tuple(dims), tuple(range(NUM_DEVICES))
+            )
+    return Strategy(configs)
+
+
+def random_strategy(seed):
+    def make(graph):
+        from flexflow_keras.search_space import random_config
+
+        rng = random.Random(seed)
+        return Strategy({
+            op.name: random_config(op, NUM_DEVICES, rng) for op in graph
+        })
+
+    return make
+
+
+def build_pair(name, optimizer="sgd", metrics=None):
+    """(plain Keras model, StrategyModel) with equal weights, compiled."""
+    builder, _, loss = MODELS[name]
+    keras.utils.set_random_seed(0)
+    ref = builder()
+    keras.utils.set_random_seed(0)
+    base = builder()
+    model = StrategyModel(base.inputs, base.outputs, name=base.name)
+    model.set_weights(ref.get_weights())
+    ref.compile(optimizer=OPTIMIZERS[optimizer](), loss=loss,
+                metrics=metrics)
+    model.compile(optimizer=OPTIMIZERS[optimizer](), loss=loss,
+                  metrics=metrics)
+    return ref, model
+
+
+def attach(model, make_strategy, batch_size):
+    graph = build_graph(model, batch_size)
+    strategy = make_strategy(graph)
+    runtime.attach_strategy(model, graph, strategy)
+    return strategy
+
+
+def relative_error(a, b, atol=1e-6):
+    """||a - b|| / ||b||, with `atol` per element as a floor on ||b||.
+
+    Why the floor: a weight whose gradient is zero in exact arithmetic
+    (e.g. an attention key bias) moves by rounding noise only.
+    """
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    floor = atol * np.sqrt(max(b.size, 1)) / 1e-5
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), floor))
+
+
+def assert_same_training(test, ref, model, history_ref, history, rtol=1e-5):
+    for key, values in history_ref.history.items():
+        np.testing.assert_allclose(
+            history.history[key], values, rtol=rtol, atol=1e-7, err_msg=key
+        )
+    for w, r, v in zip(model.weights, ref.get_weights(), model.get_weights()):
+        test.assertLess(relative_error(v, r), rtol, msg=w.path)
