@@ -110,6 +110,8 @@ class Updater:
             slots = self._slots[id(dvar)]
             state = {k: tf.convert_to_tensor(v) for k, v in slots.items()}
             grad = tf.cast(grad, value.dtype)
+            self._square = _square_like_keras(grad)
+            grad = tf.convert_to_tensor(grad)
             value, state = rule(grad, value, state, lr_v, step)
             for name, new in state.items():
                 slots[name].assign(new)
@@ -135,7 +137,7 @@ class Updater:
         beta_2_power = tf.pow(beta_2, local_step)
         alpha = lr * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
         m = state["m"] + (g - state["m"]) * (1 - opt.beta_1)
-        v = state["v"] + (tf.square(g) - state["v"]) * (1 - opt.beta_2)
+        v = state["v"] + (self._square - state["v"]) * (1 - opt.beta_2)
         new = {"m": m, "v": v}
         if opt.amsgrad:
             v = tf.maximum(state["v_hat"], v)
@@ -148,7 +150,7 @@ class Updater:
     def _rmsprop(self, g, var, state, lr, step):
         opt = self.optimizer
         rho = opt.rho
-        velocity = rho * state["velocity"] + (1 - rho) * tf.square(g)
+        velocity = rho * state["velocity"] + (1 - rho) * self._square
         new = {"velocity": velocity}
         if opt.centered:
             avg = rho * state["average_grad"] + (1 - rho) * g
@@ -164,9 +166,25 @@ class Updater:
         return var - increment, new
 
     def _adagrad(self, g, var, state, lr, step):
-        acc = state["accumulator"] + tf.square(g)
+        acc = state["accumulator"] + self._square
         var = var - (lr * g) / tf.sqrt(acc + self.optimizer.epsilon)
         return var, {"accumulator": acc}
+
+
+def _square_like_keras(grad: Any) -> Any:
+    """`ops.square(grad)` as Keras computes it, densified.
+
+    Keras squares an `IndexedSlices` gradient (e.g. of an Embedding) per
+    slice, before duplicate rows are summed: a row looked up twice gets
+    g1**2 + g2**2, not (g1 + g2)**2. Matching Keras means doing the same.
+    """
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.convert_to_tensor(
+            tf.IndexedSlices(
+                tf.square(grad.values), grad.indices, grad.dense_shape
+            )
+        )
+    return tf.square(grad)
 
 
 def _filled(layout: Any, shape: tuple, value: float, dtype: Any) -> Any:
