@@ -75,6 +75,12 @@ def _shared_data(n, seed=0):
     )
 
 
+def _dense_data_seq(n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.random((n, 4, 4), dtype=np.float32)
+    return x, rng.random((n, 4), dtype=np.float32)
+
+
 MODELS = {
     "mlp": (
         lambda: model_zoo.mlp(input_dim=8, hidden=(16, 16), classes=4),
@@ -82,7 +88,8 @@ MODELS = {
     ),
     "cnn": (
         lambda: model_zoo.cnn((8, 8, 3), (4, 8), classes=4, dropout_rate=0.0),
-        _cnn_data, "sparse_categorical_crossentropy",
+        _cnn_data,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     ),
     "two_input_concat": (model_zoo.two_input_concat, _concat_data, "mse"),
     "nested": (model_zoo.nested, _dense_data(8, 1), "mse"),
@@ -95,6 +102,10 @@ MODELS = {
         _dlrm_data, "mse",
     ),
     "shared_layer": (model_zoo.shared_layer, _shared_data, "mse"),
+    "lstm": (
+        lambda: model_zoo.lstm_model(seq=4, features=4, units=8, classes=4),
+        _dense_data_seq, "mse",
+    ),
 }
 
 OPTIMIZERS = {
@@ -149,7 +160,9 @@ def build_pair(name, optimizer="sgd", metrics=None):
     ref = builder()
     keras.utils.set_random_seed(0)
     base = builder()
-    model = StrategyModel(base.inputs, base.outputs, name=base.name)
+    model = StrategyModel(
+        base._inputs_struct, base._outputs_struct, name=base.name
+    )
     model.set_weights(ref.get_weights())
     ref.compile(optimizer=OPTIMIZERS[optimizer](), loss=loss,
                 metrics=metrics)
