@@ -1,0 +1,222 @@
+"""Keras behaviour kept under a strategy: inputs, fit options, callbacks,
+metrics, evaluate/predict sizes, save/load, weight sync."""
+
+import os
+import tempfile
+import unittest
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import test_runtime_support as support
+from flexflow_keras import runtime
+
+try:
+    import tensorboard  # noqa: F401
+
+    _HAS_TENSORBOARD = True
+except ImportError:
+    _HAS_TENSORBOARD = False
+
+CUSTOM = {"StrategyModel": support.StrategyModel}
+FIT = dict(batch_size=8, epochs=3, verbose=0, shuffle=False)
+
+
+def pair(name="mlp", optimizer="sgd", strategy=None, metrics=("mae",)):
+    ref, model = support.build_pair(name, optimizer, metrics=list(metrics))
+    support.attach(model, strategy or support.parameter, 8)
+    return ref, model
+
+
+class RuntimeKerasTest(unittest.TestCase):
+    def assert_histories_equal(self, history, history_ref):
+        self.assertEqual(set(history.history), set(history_ref.history))
+        for key, values in history_ref.history.items():
+            np.testing.assert_allclose(
+                history.history[key], values, rtol=1e-5, atol=1e-7,
+                err_msg=key,
+            )
+
+    def test_validation_split_sample_weight_metrics(self):
+        ref, model = pair()
+        x, y = support.MODELS["mlp"][1](30)
+        weights = np.linspace(0.5, 2.0, 30).astype("float32")
+        kwargs = dict(FIT, validation_split=0.2, sample_weight=weights)
+        self.assert_histories_equal(
+            model.fit(x, y, **kwargs), ref.fit(x, y, **kwargs)
+        )
+
+    def test_class_weight_and_initial_epoch(self):
+        ref, model = pair("cnn", metrics=("accuracy",))
+        x, y = support.MODELS["cnn"][1](20)
+        kwargs = dict(FIT, class_weight={0: 1.0, 1: 2.0, 2: 0.5, 3: 1.0},
+                      initial_epoch=1)
+        history = model.fit(x, y, **kwargs)
+        self.assertEqual(history.epoch, [1, 2])
+        self.assert_histories_equal(history, ref.fit(x, y, **kwargs))
+
+    def test_tf_data_with_validation_data(self):
+        ref, model = pair("two_input_concat", "adam",
+                          strategy=support.placement)
+        x, y = support.MODELS["two_input_concat"][1](20)
+        data = tf.data.Dataset.from_tensor_slices((tuple(x), y)).batch(8)
+        kwargs = dict(epochs=2, verbose=0, validation_data=data)
+        self.assert_histories_equal(
+            model.fit(data, **kwargs), ref.fit(data, **kwargs)
+        )
+
+    def test_generator_with_steps_per_epoch(self):
+        ref, model = pair()
+        x, y = support.MODELS["mlp"][1](16)
+
+        def batches():
+            while True:
+                for i in range(0, 16, 8):
+                    yield x[i:i + 8], y[i:i + 8]
+
+        kwargs = dict(epochs=2, steps_per_epoch=2, verbose=0)
+        self.assert_histories_equal(
+            model.fit(batches(), **kwargs), ref.fit(batches(), **kwargs)
+        )
+
+    def test_shuffle_and_verbose_progress_bar(self):
+        ref, model = pair()
+        x, y = support.MODELS["mlp"][1](20)
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=True,
+                            verbose=1)
+        self.assertEqual(len(history.history["loss"]), 2)
+        self.assertTrue(np.all(np.isfinite(history.history["loss"])))
+
+    def test_evaluate_and_predict_any_number_of_samples(self):
+        ref, model = pair("transformer", strategy=support.data_parallel)
+        x, y = support.MODELS["transformer"][1](13)
+        for batch_size in (8, 5, None):
+            np.testing.assert_allclose(
+                model.evaluate(x, y, batch_size=batch_size, verbose=0),
+                ref.evaluate(x, y, batch_size=batch_size, verbose=0),
+                rtol=1e-5,
+            )
+            np.testing.assert_allclose(
+                model.predict(x, batch_size=batch_size, verbose=0),
+                ref.predict(x, batch_size=batch_size, verbose=0),
+                rtol=1e-5, atol=1e-6,
+            )
+
+    def test_callbacks_see_trained_weights_each_epoch(self):
+        class Record(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.kernels, self.losses = [], []
+
+            def on_epoch_end(self, epoch, logs=None):
+                self.kernels.append(self.model.get_layer("logits").kernel
+                                    .numpy().copy())
+                self.losses.append(logs["loss"])
+
+        ref, model = pair()
+        x, y = support.MODELS["mlp"][1](20)
+        mine, theirs = Record(), Record()
+        model.fit(x, y, callbacks=[mine], **FIT)
+        ref.fit(x, y, callbacks=[theirs], **FIT)
+        np.testing.assert_allclose(mine.losses, theirs.losses, rtol=1e-5)
+        for a, b in zip(mine.kernels, theirs.kernels):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+    def test_lr_schedulers_take_effect(self):
+        def schedule(epoch, lr):
+            return lr * 0.5
+
+        callbacks = lambda: [  # noqa: E731
+            keras.callbacks.LearningRateScheduler(schedule),
+            keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=0,
+                                              min_delta=10.0, factor=0.5),
+        ]
+        ref, model = pair(optimizer="momentum")
+        x, y = support.MODELS["mlp"][1](20)
+        history = model.fit(x, y, callbacks=callbacks(), **FIT)
+        self.assert_histories_equal(
+            history, ref.fit(x, y, callbacks=callbacks(), **FIT)
+        )
+        self.assertLess(float(model.optimizer.learning_rate), 0.01 / 4)
+
+    def test_learning_rate_schedule_object(self):
+        def optimizer():
+            return keras.optimizers.Adam(
+                keras.optimizers.schedules.ExponentialDecay(0.01, 2, 0.5)
+            )
+
+        ref, model = support.build_pair("mlp")
+        ref.compile(optimizer=optimizer(), loss="mse")
+        model.compile(optimizer=optimizer(), loss="mse")
+        support.attach(model, support.data_parallel, 8)
+        x, y = support.MODELS["mlp"][1](20)
+        self.assert_histories_equal(model.fit(x, y, **FIT),
+                                    ref.fit(x, y, **FIT))
+
+    def test_early_stopping_checkpoint_tensorboard_save_load(self):
+        ref, model = pair("cnn", metrics=())
+        x, y = support.MODELS["cnn"][1](20)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "best.keras")
+            callbacks = [
+                keras.callbacks.EarlyStopping(monitor="loss", patience=1),
+                keras.callbacks.ModelCheckpoint(path),
+            ]
+            model.fit(x, y, callbacks=callbacks, **FIT)
+            checkpoint = keras.models.load_model(path, custom_objects=CUSTOM)
+            for a, b in zip(checkpoint.get_weights(), model.get_weights()):
+                np.testing.assert_array_equal(a, b)
+            saved = os.path.join(tmp, "m.keras")
+            model.save(saved)
+            loaded = keras.models.load_model(saved, custom_objects=CUSTOM)
+            np.testing.assert_allclose(
+                loaded.predict(x, verbose=0), model.predict(x, verbose=0),
+                rtol=1e-5, atol=1e-6,
+            )
+
+    @unittest.skipUnless(_HAS_TENSORBOARD, "tensorboard is not installed")
+    def test_tensorboard_writes_logs(self):
+        ref, model = pair()
+        x, y = support.MODELS["mlp"][1](16)
+        with tempfile.TemporaryDirectory() as tmp:
+            board = keras.callbacks.TensorBoard(os.path.join(tmp, "logs"))
+            model.fit(x, y, callbacks=[board], **FIT)
+            self.assertTrue(os.listdir(os.path.join(tmp, "logs")))
+
+    def test_set_weights_between_fits_is_used(self):
+        ref, model = pair()
+        x, y = support.MODELS["mlp"][1](16)
+        model.fit(x, y, **FIT)
+        model.set_weights(ref.get_weights())
+        np.testing.assert_allclose(
+            model.predict(x, verbose=0), ref.predict(x, verbose=0),
+            rtol=1e-5, atol=1e-6,
+        )
+
+    def test_unsupported_optimizer_names_supported_ones(self):
+        ref, model = support.build_pair("mlp")
+        model.compile(optimizer=keras.optimizers.Nadam(), loss="mse")
+        support.attach(model, support.data_parallel, 8)
+        x, y = support.MODELS["mlp"][1](8)
+        with self.assertRaisesRegex(NotImplementedError, "Nadam.*|.*SGD"):
+            model.fit(x, y, **FIT)
+
+    def test_detach_returns_to_plain_keras(self):
+        ref, model = pair()
+        x, y = support.MODELS["mlp"][1](16)
+        runtime.detach_strategy(model)
+        self.assertIsNone(model.strategy_executor)
+        self.assert_histories_equal(model.fit(x, y, **FIT),
+                                    ref.fit(x, y, **FIT))
+
+    def test_strategy_for_more_devices_than_attached_is_refused(self):
+        from flexflow_keras.strategy import ParallelConfig, Strategy
+
+        ref, model = support.build_pair("mlp")
+        graph = support.build_graph(model, 8)
+        strategy = Strategy({
+            op.name: ParallelConfig((1,) * op.rank, (7,)) for op in graph
+        })
+        with self.assertRaisesRegex(ValueError, "only 4 devices"):
+            runtime.attach_strategy(model, graph, strategy)
