@@ -28,6 +28,7 @@ import numpy as np
 from flexflow_keras.taskgraph import SELF, Piece
 
 DEAD = 1 << 60  # predecessor count of a killed task: never ready
+RIDER = 1 << 59  # predecessor count of a rider: run with its leader
 INF = float("inf")
 
 
@@ -57,6 +58,22 @@ def _rows(piece: Piece, num_devices: int) -> tuple[np.ndarray, np.ndarray]:
         rows = (busy, memory)
         object.__setattr__(piece, "_rows", rows)
     return rows
+
+
+def _res1_npred(piece: Piece) -> tuple[list[int], list[int]]:
+    """Per task of a piece: its one resource (-1: several; a rider
+    leader: `-2 - riders`) and initial predecessor count (riders: RIDER,
+    never woken). Memoized on the piece."""
+    found = piece.__dict__.get("_res1_npred")
+    if found is None:
+        res1 = [r[0] if len(r) == 1 else -1 for r in piece.resources]
+        npred = [0] * len(res1)
+        for lead, count in piece.riders:
+            res1[lead] = -2 - count
+            npred[lead + 1:lead + 1 + count] = [RIDER] * count
+        found = (res1, npred)
+        object.__setattr__(piece, "_res1_npred", found)
+    return found
 
 
 class Compiled:
@@ -140,13 +157,10 @@ class Compiled:
         self.dur += p.durations_ms
         self.prio += p.priorities
         self.resm += p.resources
-        res1 = p.__dict__.get("_res1")
-        if res1 is None:
-            res1 = [r[0] if len(r) == 1 else -1 for r in p.resources]
-            object.__setattr__(p, "_res1", res1)
+        res1, npred = _res1_npred(p)
         self.res1 += res1
         self.succ += [[] for _ in range(n)]
-        self.npred += [0] * n
+        self.npred += npred
 
     def _deps(self, k: int, p: Piece) -> Iterator[tuple[int, int]]:
         base, slots = self.slot_base[k], self.slot_base
@@ -286,6 +300,8 @@ class Schedule:
             if r >= 0:
                 free[r] = e
             else:
+                if r < -1:  # riders (next pops) share the leader's ready
+                    ready[t + 1:t - 1 - r] = [ready[t]] * (-2 - r)
                 for r in resm[t]:
                     free[r] = e
             for u in succ[t]:
@@ -353,13 +369,19 @@ def _loop(
     ready: list[float],
     free: list[float],
 ) -> None:
-    """Pops tasks until none is left; sets `out.step_ms`."""
+    """Pops tasks until none is left; sets `out.step_ms`.
+
+    The popped task stays at the heap's root while it is scheduled; its
+    first woken successor replaces it (one sift instead of a pop and a
+    push). Keys are unique, so the pop sequence is the same.
+    """
     dur, res1, resm, prio, succ = g.dur, g.res1, g.resm, g.prio, g.succ
     end, order = out.end, out.order
     add_order = order.append
     pop, push = heapq.heappop, heapq.heappush
+    replace = heapq.heapreplace
     while heap:
-        s, _, t = pop(heap)
+        s, _, t = heap[0]
         r = res1[t]
         if r >= 0:
             f = free[r]
@@ -367,7 +389,7 @@ def _loop(
                 s = f
             e = s + dur[t]
             free[r] = e
-        else:
+        elif r == -1:
             rs = resm[t]
             for r in rs:
                 if free[r] > s:
@@ -375,14 +397,47 @@ def _loop(
             e = s + dur[t]
             for r in rs:
                 free[r] = e
+        else:
+            _ride(t, -2 - r, s, g, out, ready, free)
+            pop(heap)
+            continue
         end[t] = e
         add_order(t)
+        popped = False
         for u in succ[t]:
             if e > ready[u]:
                 ready[u] = e
             c = count[u] - 1
             count[u] = c
             if c == 0:
-                push(heap, (ready[u], prio[u], u))
+                if popped:
+                    push(heap, (ready[u], prio[u], u))
+                else:
+                    replace(heap, (ready[u], prio[u], u))
+                    popped = True
+        if not popped:
+            pop(heap)
     assert len(order) == g.num_live, "task graph has a cycle"
     out.step_ms = max(map(end.__getitem__, order), default=0.0)
+
+
+def _ride(
+    t: int, riders: int, s: float, g: Compiled, out: Schedule,
+    ready: list[float], free: list[float],
+) -> None:
+    """Runs leader `t` (ready at `s`) and its riders, one device each.
+
+    They would pop one after another: same ready time, next priorities
+    (no other task's key falls between), and none wakes a task; on
+    distinct devices, each starts when its own device is free.
+    """
+    dur, resm, end = g.dur, g.resm, out.end
+    add_order = out.order.append
+    for v in range(t, t + 1 + riders):
+        r = resm[v][0]
+        f = free[r]
+        e = (f if f > s else s) + dur[v]
+        free[r] = e
+        end[v] = e
+        ready[v] = s
+        add_order(v)

@@ -55,6 +55,10 @@ class Piece:
         busy_ms: (device, ms) of compute tasks.
         memory_bytes: (device, bytes) this piece keeps resident.
         comm_bytes: Bytes moved over links.
+        riders: (leader local, count): the `count` tasks after the
+            leader are sinks on distinct devices, ready when it is, with
+            the next priorities; the scheduler runs them with it (see
+            `schedule`), so they have no dependencies of their own.
     """
 
     durations_ms: tuple[float, ...] = ()
@@ -65,6 +69,7 @@ class Piece:
     busy_ms: tuple[tuple[int, float], ...] = ()
     memory_bytes: tuple[tuple[int, float], ...] = ()
     comm_bytes: float = 0.0
+    riders: tuple[tuple[int, int], ...] = ()
 
 
 class _Builder:
@@ -74,6 +79,7 @@ class _Builder:
         self.dur, self.res, self.prio, self.labels = [], [], [], []
         self.deps, self.busy, self.memory = [], [], []
         self.comm = 0.0
+        self.riders = []
 
     def task(self, ms, resources, prio, label) -> int:
         self.dur.append(ms)
@@ -86,7 +92,7 @@ class _Builder:
         return Piece(
             tuple(self.dur), tuple(self.res), tuple(self.prio),
             tuple(self.labels), tuple(self.deps), tuple(self.busy),
-            tuple(self.memory), self.comm,
+            tuple(self.memory), self.comm, tuple(self.riders),
         )
 
 
@@ -245,7 +251,7 @@ def family_piece(
             )
             b.deps += [(i, k, SELF, sync) for i, k in sources]
             b.comm += 2.0 * (len(devices) - 1) * size
-        for device in devices:
+        for device in devices:  # sorted: priorities ascend
             ms = cost.update_ms(size, slots, device)
             t = b.task(
                 ms, (device,), priority(owner_index, UPDATE, group, device),
@@ -255,8 +261,11 @@ def family_piece(
             b.memory.append((device, size * (2 + slots)))
             if sync is None:
                 b.deps += [(i, k, SELF, t) for i, k in sources]
-            else:
-                b.deps.append((SELF, sync, SELF, t))
+        if sync is not None:
+            # Updates wait for the sync alone and wake nothing: one
+            # queue entry for all of them (see `Piece.riders`).
+            b.deps.append((SELF, sync, SELF, sync + 1))
+            b.riders.append((sync + 1, len(devices) - 1))
     for op, _, config in family:
         degree = partition.parameter_degree(op, config)
         frozen = partition.frozen_weight_bytes(op, degree)
