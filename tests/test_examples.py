@@ -1,0 +1,66 @@
+"""The examples are Keras scripts: with our import or Keras's, same accuracy.
+
+Each example runs twice in a subprocess: as written (flexflow_keras,
+search, DTensor on 4 virtual CPUs) and with its import lines switched
+back to plain `keras`. Weight initialisation is unseeded in the scripts,
+so accuracies are compared with a tolerance, not bit for bit.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ACCURACY = re.compile(r"test accuracy ([0-9.]+)")
+
+
+def run_example(name: str, plain_keras: bool, *flags: str) -> float:
+    """Test accuracy printed by `examples/<name>.py`."""
+    with open(os.path.join(ROOT, "examples", f"{name}.py")) as f:
+        source = f.read()
+    if plain_keras:
+        source = source.replace(
+            "import flexflow_keras as keras", "import keras"
+        ).replace("from flexflow_keras import layers", "from keras import layers")
+        assert "flexflow_keras" not in source.split('"""', 2)[2]
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, f"{name}.py")
+        with open(path, "w") as f:
+            f.write(source)
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+        run = subprocess.run(
+            [sys.executable, path, *flags], capture_output=True, text=True,
+            cwd=ROOT, env=env, timeout=900,
+        )
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = ACCURACY.findall(run.stdout)
+    assert found, run.stdout[-2000:]
+    return float(found[-1])
+
+
+class ExampleAccuracyTest(unittest.TestCase):
+    def check(self, name: str, *flags: str, tolerance: float = 0.06):
+        ours = run_example(name, False, "--budget", "100", *flags)
+        plain = run_example(name, True, *flags)
+        self.assertGreater(plain, 0.5)  # the task is learnt at all
+        self.assertAlmostEqual(ours, plain, delta=tolerance)
+
+    def test_mlp(self):
+        self.check("mlp", "--epochs", "3")
+
+    @pytest.mark.slow
+    def test_cnn(self):
+        self.check("cnn", "--epochs", "2")
+
+    @pytest.mark.slow
+    def test_transformer(self):
+        self.check("transformer", "--epochs", "2")
+
+
+if __name__ == "__main__":
+    unittest.main()
