@@ -13,6 +13,7 @@ as in Keras.
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import tree
 from keras.src.backend import StatelessScope
@@ -302,10 +303,16 @@ class Executor:
         return values, seg_inputs
 
     def _hyper(self, mesh):
+        """[learning rate, step (1-based)] as a replicated DTensor.
+
+        Read from the Keras optimizer every step, so schedules and
+        callbacks that set `learning_rate` take effect. Built on the host
+        in NumPy: one copy instead of several small eager ops.
+        """
         opt = self.model.optimizer
-        lr = tf.cast(opt._get_current_learning_rate(), tf.float32)
-        step = tf.cast(opt.iterations + 1, tf.float32)
-        return _to_mesh(tf.stack([lr, step]), mesh)
+        lr = float(opt._get_current_learning_rate())
+        step = float(opt.iterations.numpy()) + 1.0
+        return _to_mesh(np.array([lr, step], np.float32), mesh)
 
     def train_batch(self, data) -> dict:
         if self.updater is None:
