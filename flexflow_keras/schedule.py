@@ -287,6 +287,8 @@ class Schedule:
         out = Schedule()
         out.num_resources, out.restart_pops = self.num_resources, k
         out.end = self.end + [0.0] * (n - old_n)
+        for t in g.killed:
+            out.end[t] = 0.0  # so the makespan is max(end)
         out.order = self.order[:k]
         end = out.end
         count, ready = list(g.npred), [0.0] * n
@@ -385,9 +387,7 @@ def _loop(
         r = res1[t]
         if r >= 0:
             f = free[r]
-            if f > s:
-                s = f
-            e = s + dur[t]
+            e = (f if f > s else s) + dur[t]
             free[r] = e
         elif r == -1:
             rs = resm[t]
@@ -403,22 +403,19 @@ def _loop(
             continue
         end[t] = e
         add_order(t)
-        popped = False
+        wake = replace  # then push
         for u in succ[t]:
             if e > ready[u]:
                 ready[u] = e
             c = count[u] - 1
             count[u] = c
-            if c == 0:
-                if popped:
-                    push(heap, (ready[u], prio[u], u))
-                else:
-                    replace(heap, (ready[u], prio[u], u))
-                    popped = True
-        if not popped:
+            if not c:
+                wake(heap, (ready[u], prio[u], u))
+                wake = push
+        if wake is replace:
             pop(heap)
     assert len(order) == g.num_live, "task graph has a cycle"
-    out.step_ms = max(map(end.__getitem__, order), default=0.0)
+    out.step_ms = max(end, default=0.0)  # dead ids end at 0
 
 
 def _ride(
