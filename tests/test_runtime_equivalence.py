@@ -153,7 +153,7 @@ class EveryConfigExecutesTest(unittest.TestCase):
                     )
 
     def test_random_configs_of_each_op_type(self):
-        self.run_random_configs(("transformer", "embedding", "cnn"), 2)
+        self.run_random_configs(("transformer", "embedding", "cnn", "lstm"), 2)
 
     @pytest.mark.slow
     def test_many_random_configs_of_each_op_type(self):

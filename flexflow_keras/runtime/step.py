@@ -10,6 +10,7 @@ Metrics and the loss tracker are updated by Keras's own code in a plain
 as in Keras.
 """
 
+import contextlib
 from typing import Any
 
 import keras
@@ -42,6 +43,26 @@ def _local(value: Any) -> Any:
 
 def _is_float(value: Any) -> bool:
     return value is not None and value.dtype.is_floating
+
+
+@contextlib.contextmanager
+def _unrolled(layer: Any):
+    """Recurrent layers run unrolled, without cuDNN, while traced.
+
+    Why: DTensor has no layout propagation for the while-loop TensorLists
+    (`tf.TensorListStack`) of a rolled RNN, nor for cuDNN RNN kernels; the
+    unrolled loop is plain ops with the same arithmetic.
+    """
+    saved = {}
+    for name, value in (("unroll", True), ("use_cudnn", False)):
+        if hasattr(layer, name) and hasattr(layer, "cell"):
+            saved[name] = getattr(layer, name)
+            setattr(layer, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(layer, name, value)
 
 
 def _function_of(model: Any) -> Any:
@@ -140,7 +161,8 @@ class Executor:
             if is_layer and "training" not in kwargs:
                 kwargs = dict(kwargs, training=training)
             with StatelessScope(state_mapping=mapping) as scope:
-                out = layer(*args, **kwargs)
+                with _unrolled(layer):
+                    out = layer(*args, **kwargs)
             if training:
                 for v in non_trainable:
                     new = scope.get_current_value(v)
