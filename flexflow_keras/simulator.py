@@ -18,6 +18,7 @@ changed task (`schedule.Schedule.rerun`). Same pieces, same priorities,
 same arithmetic: the result is bit for bit the full simulation's.
 """
 
+import collections
 import dataclasses
 import math
 
@@ -85,7 +86,7 @@ class Simulator:
         self._index = {op.name: i for i, op in enumerate(self._ops)}
         self._families = taskgraph.families(graph)
         self._layout = _Layout(graph, self._index, self._families)
-        self._cache: dict[tuple, taskgraph.Piece] = {}
+        self._cache = _PieceCache(PIECE_CACHE_TASKS)
         self._state: tuple[dict, list, Compiled, Schedule] | None = None
         self._proposal: tuple[dict, list, Compiled, Schedule] | None = None
 
@@ -188,10 +189,8 @@ class Simulator:
         key = slot + tuple(configs[n] for n in self._layout.reads[slot])
         piece = self._cache.get(key)
         if piece is None:
-            if len(self._cache) > 50_000:
-                self._cache.clear()  # bound memory on long searches
             piece = self._build(slot, configs)
-            self._cache[key] = piece
+            self._cache.put(key, piece)
         return piece
 
     def _build(self, slot: tuple, configs: dict) -> taskgraph.Piece:
@@ -249,6 +248,44 @@ class Simulator:
                 f"(it has {self.machine.num_devices}). Received: "
                 f"device_ids={config.device_ids}"
             )
+
+
+# Tasks the piece cache holds at most: a few hundred bytes each (labels,
+# resources, memoized rows), so ~100-200 MB; the walk of
+# `bench/simulator_bench.py` on InceptionV3 needs ~300,000.
+PIECE_CACHE_TASKS = 500_000
+
+
+class _PieceCache:
+    """Least recently used pieces, bounded by their total task count.
+
+    Pieces are pure functions of their key, so evicting one only costs
+    a rebuild; results stay exact. Unbounded, a random search on
+    InceptionV3 (16 devices) held gigabytes of pieces.
+    """
+
+    def __init__(self, max_tasks: int):
+        self.max_tasks = max_tasks
+        self.num_tasks = 0
+        self._pieces: collections.OrderedDict[tuple, taskgraph.Piece] = (
+            collections.OrderedDict()
+        )
+
+    def __len__(self) -> int:
+        return len(self._pieces)
+
+    def get(self, key: tuple) -> taskgraph.Piece | None:
+        piece = self._pieces.get(key)
+        if piece is not None:
+            self._pieces.move_to_end(key)
+        return piece
+
+    def put(self, key: tuple, piece: taskgraph.Piece) -> None:
+        self._pieces[key] = piece
+        self.num_tasks += 1 + len(piece.durations_ms)
+        while self.num_tasks > self.max_tasks and len(self._pieces) > 1:
+            _, old = self._pieces.popitem(last=False)
+            self.num_tasks -= 1 + len(old.durations_ms)
 
 
 class _Layout:

@@ -256,6 +256,25 @@ class DeltaTest(unittest.TestCase):
         graph = build_graph(model_zoo.two_input_concat(), 64)
         self.assert_delta_equals_full(graph, "k80x64", 400, 4)
 
+    def test_bounded_piece_cache_stays_exact(self):
+        graph, m = build_graph(model_zoo.cnn(), 16), load_machine("p100x16")
+        sim, full = Simulator(graph, m), Simulator(graph, m)
+        sim._cache.max_tasks = 200  # evicts on nearly every proposal
+        rng = random.Random(5)
+        strategy = Strategy.data_parallel(graph, m.num_devices)
+        sim.start(strategy)
+        for _ in range(150):
+            op = rng.choice(graph.ops)
+            config = search_space.random_config(op, m.num_devices, rng)
+            candidate = strategy.replace(op.name, config)
+            self.assertEqual(sim.propose(op.name, config),
+                             full.simulate(candidate))
+            self.assertTrue(sim._cache.num_tasks <= 200
+                            or len(sim._cache) == 1)
+            if rng.random() < 0.5:
+                sim.accept()
+                strategy = candidate
+
     def test_propose_before_start_is_an_error(self):
         graph, m = chain(), machine()
         with self.assertRaisesRegex(ValueError, "Call `start"):
