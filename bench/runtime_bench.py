@@ -30,7 +30,7 @@ from flexflow_keras.graph import build_graph  # noqa: E402
 from flexflow_keras.strategy import Strategy  # noqa: E402
 
 
-class _Model(runtime.StrategyTrainer, keras.Model):
+class BenchModel(runtime.StrategyTrainer, keras.Model):
     pass
 
 
@@ -79,7 +79,7 @@ def throughput(name, num_devices, epochs, samples):
     if num_devices is None:
         model = base
     else:
-        model = _Model(base._inputs_struct, base._outputs_struct)
+        model = BenchModel(base._inputs_struct, base._outputs_struct)
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
     if num_devices is not None:
         graph = build_graph(model, batch_size)

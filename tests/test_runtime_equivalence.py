@@ -74,6 +74,19 @@ class RuntimeEquivalenceTest(unittest.TestCase):
             with self.subTest(name=name, seed=seed):
                 self.check(name, support.random_strategy(seed), "adam")
 
+    def test_one_device_strategy_runs_keras_step_on_that_device(self):
+        def on_device_2(graph):
+            return Strategy({
+                op.name: support.ParallelConfig((1,) * op.rank, (2,))
+                for op in graph
+            })
+
+        ref, model, history_ref, history = train_both(
+            "cnn", on_device_2, "adam"
+        )
+        self.assertTrue(model.strategy_executor.single_device.endswith(":2"))
+        support.assert_same_training(self, ref, model, history_ref, history)
+
     def test_multi_segment_strategy_runs_per_mesh_functions(self):
         ref, model = support.build_pair("mlp")
         support.attach(model, support.placement, 8)

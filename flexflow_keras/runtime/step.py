@@ -45,6 +45,16 @@ def _is_float(value: Any) -> bool:
     return value is not None and value.dtype.is_floating
 
 
+def _single_device(strategy: Any, device_names: tuple) -> str | None:
+    """The device name when every op runs unsplit on that one device."""
+    ids = {c.device_ids for c in strategy.values()}
+    if len(ids) == 1:
+        (only,) = ids
+        if len(only) == 1 and only[0] < len(device_names):
+            return device_names[only[0]]
+    return None
+
+
 @contextlib.contextmanager
 def _unrolled(layer: Any):
     """Recurrent layers run unrolled, without cuDNN, while traced.
@@ -85,16 +95,23 @@ class Executor:
         self.meshes = layouts_lib.MeshCache(device_names)
         self.plans = layouts_lib.plan_ops(graph, strategy, self.meshes)
         self.segments = layouts_lib.segments(graph, self.plans)
+        self.single_device = _single_device(strategy, device_names)
+        self.updater = None
+        self.dirty = False  # DVariables newer than the Keras variables
+        self._fns: dict[tuple, Any] = {}
+        self.fused = len(self.segments) == 1 and len(graph.outputs) == 1
+        if self.single_device is not None:
+            # Every op on one device: Keras's own step, placed there, is
+            # already the best executor; no DVariables are made.
+            self.store = None
+            self.trainable = []
+            return
         self.store = VariableStore(self.plans)
         self._check_shared_weights()
         known = {id(v) for v in self.store.keras_variables()}
         self.trainable = [
             v for v in model.trainable_variables if id(v) in known
         ]
-        self.fused = len(self.segments) == 1 and len(graph.outputs) == 1
-        self.updater = None
-        self.dirty = False  # DVariables newer than the Keras variables
-        self._fns: dict[tuple, Any] = {}
 
     def _check_shared_weights(self) -> None:
         for plan in self.plans:
@@ -112,7 +129,7 @@ class Executor:
 
     def sync_in(self) -> None:
         """Keras values -> DVariables, unless the DVariables are newer."""
-        if not self.dirty:
+        if not self.dirty and self.store is not None:
             self.store.push()
 
     def sync_out(self) -> None:

@@ -58,6 +58,17 @@ def detach_strategy(model: Any) -> None:
     model.predict_function = None
 
 
+def _on_device(function: Any, device: str) -> Any:
+    """Keras's step function, run (and traced) on `device`."""
+    import tensorflow as tf
+
+    def on_device(*args, **kwargs):
+        with tf.device(device):
+            return function(*args, **kwargs)
+
+    return on_device
+
+
 class _SyncCallback(keras.callbacks.Callback):
     def __init__(self, executor: Executor):
         super().__init__()
@@ -91,6 +102,13 @@ class StrategyTrainer:
     def make_train_function(self, force=False):
         if self._ff_executor is None:
             return super().make_train_function(force=force)
+        if self._ff_executor.single_device is not None:
+            if self.train_function is None or force:
+                super().make_train_function(force=True)
+                self.train_function = _on_device(
+                    self.train_function, self._ff_executor.single_device
+                )
+            return self.train_function
         if self.train_function is None or force:
             self.train_function = self._ff_executor.make_function("train")
         return self.train_function
@@ -98,6 +116,13 @@ class StrategyTrainer:
     def make_test_function(self, force=False):
         if self._ff_executor is None:
             return super().make_test_function(force=force)
+        if self._ff_executor.single_device is not None:
+            if self.test_function is None or force:
+                super().make_test_function(force=True)
+                self.test_function = _on_device(
+                    self.test_function, self._ff_executor.single_device
+                )
+            return self.test_function
         if self.test_function is None or force:
             self.test_function = self._ff_executor.make_function("test")
         return self.test_function
@@ -105,6 +130,13 @@ class StrategyTrainer:
     def make_predict_function(self, force=False):
         if self._ff_executor is None:
             return super().make_predict_function(force=force)
+        if self._ff_executor.single_device is not None:
+            if self.predict_function is None or force:
+                super().make_predict_function(force=True)
+                self.predict_function = _on_device(
+                    self.predict_function, self._ff_executor.single_device
+                )
+            return self.predict_function
         if self.predict_function is None or force:
             self.predict_function = self._ff_executor.make_function(
                 "predict"
