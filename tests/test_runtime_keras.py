@@ -220,3 +220,39 @@ class RuntimeKerasTest(unittest.TestCase):
         })
         with self.assertRaisesRegex(ValueError, "only 4 devices"):
             runtime.attach_strategy(model, graph, strategy)
+
+
+class RuntimeMultiOutputTest(unittest.TestCase):
+    def test_two_outputs_with_loss_dict_and_weights(self):
+        def build():
+            x = keras.Input((6,), name="x")
+            h = keras.layers.Dense(8, activation="relu", name="h")(x)
+            a = keras.layers.Dense(2, name="a")(h)
+            b = keras.layers.Dense(1, name="b")(h)
+            return keras.Model(x, {"a": a, "b": b})
+
+        keras.utils.set_random_seed(0)
+        ref = build()
+        keras.utils.set_random_seed(0)
+        base = build()
+        model = support.StrategyModel(base._inputs_struct,
+                                      base._outputs_struct)
+        model.set_weights(ref.get_weights())
+        compile_args = dict(loss={"a": "mse", "b": "mae"},
+                            loss_weights={"a": 1.0, "b": 0.5},
+                            metrics={"a": ["mae"]})
+        ref.compile(optimizer=keras.optimizers.Adam(0.01), **compile_args)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), **compile_args)
+        support.attach(model, support.parameter, 8)
+        rng = np.random.default_rng(0)
+        x = rng.random((20, 6), dtype=np.float32)
+        y = {"a": rng.random((20, 2), dtype=np.float32),
+             "b": rng.random((20, 1), dtype=np.float32)}
+        history = model.fit(x, y, **FIT)
+        history_ref = ref.fit(x, y, **FIT)
+        self.assertEqual(set(history.history), set(history_ref.history))
+        for key, values in history_ref.history.items():
+            np.testing.assert_allclose(history.history[key], values,
+                                       rtol=1e-5, err_msg=key)
+        for a, b in zip(model.get_weights(), ref.get_weights()):
+            self.assertLess(support.relative_error(a, b), 1e-5)

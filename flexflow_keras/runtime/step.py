@@ -45,6 +45,38 @@ def _is_float(value: Any) -> bool:
     return value is not None and value.dtype.is_floating
 
 
+def _batch_relaxed(python_function):
+    """A tf.function traced with the batch dim unknown, as Keras's step is.
+
+    Keras traces its step on a dataset's element spec (batch dim None), so
+    its per-output loss trackers get `sample_weight=None`: a plain mean
+    over batches. Tracing with a None batch keeps that quirk identical.
+    """
+    function = tf.function(python_function)
+    traced = set()
+
+    def spec(value):
+        if isinstance(value, (tf.Tensor, np.ndarray)) and value.ndim:
+            value = tf.convert_to_tensor(value)
+            return tf.TensorSpec([None] + value.shape[1:], value.dtype)
+        return value
+
+    def call(*args):
+        args = tree.map_structure(
+            lambda v: tf.convert_to_tensor(v)
+            if isinstance(v, np.ndarray) else v,
+            args,
+        )
+        specs = tree.map_structure(spec, args)
+        key = str(specs)
+        if key not in traced:
+            function.get_concrete_function(*specs)
+            traced.add(key)
+        return function(*args)
+
+    return call
+
+
 def _single_device(strategy: Any, device_names: tuple) -> str | None:
     """The device name when every op runs unsplit on that one device."""
     ids = {c.device_ids for c in strategy.values()}
@@ -284,7 +316,7 @@ class Executor:
     def _make_loss(self):
         model = self.model
 
-        @tf.function
+        @_batch_relaxed
         def loss_and_grads(x, y, y_pred_flat, sample_weight):
             with tf.GradientTape() as tape:
                 tape.watch(y_pred_flat)
@@ -299,7 +331,7 @@ class Executor:
     def _make_metrics(self, with_loss):
         model = self.model
 
-        @tf.function
+        @_batch_relaxed
         def metrics(x, y, y_pred_flat, sample_weight, loss):
             y_pred = self._pack_outputs(y_pred_flat)
             if not with_loss:
