@@ -8,7 +8,6 @@ for the batch size that fit uses. A plan is kept per batch size.
 """
 
 import contextlib
-import itertools
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -214,13 +213,19 @@ def _peek_batch(x: Any, batch_size: int | None) -> tuple[_Peeked, Any]:
         first = x[0]
     elif hasattr(x, "__next__"):
         first = next(x)
-        x = itertools.chain([first], x)
+        x = _prepend(first, x)
     if first is not None:
         inputs = first[0] if isinstance(first, tuple) else first
         leaf = keras.tree.flatten(inputs)[0]
         return _Peeked(int(leaf.shape[0]), _shape_of(inputs)), x
     size = _KERAS_DEFAULT_BATCH_SIZE if batch_size is None else batch_size
     return _Peeked(int(size), _shape_of(x)), x
+
+
+def _prepend(first: Any, rest: Iterator) -> Iterator:
+    """A generator (what Keras's data adapters accept) of first + rest."""
+    yield first
+    yield from rest
 
 
 def _shape_of(inputs: Any) -> Any:

@@ -123,6 +123,22 @@ class DropInTest(unittest.TestCase):
         for a, b in zip(ours.get_weights(), plain.get_weights()):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
+    def test_generator_batch_is_peeked_without_losing_data(self):
+        x, y = data(48)
+        seen = []
+
+        def batches():
+            for i in range(0, 48, 12):
+                seen.append(i)
+                yield x[i:i + 12], y[i:i + 12]
+
+        model = small_mlp()
+        model.compile("sgd", "mse", search_budget=0)
+        history = model.fit(batches(), epochs=1, verbose=0)
+        self.assertEqual(model.plan.graph.batch_size, 12)
+        self.assertEqual(seen, [0, 12, 24, 36])
+        self.assertEqual(len(history.history["loss"]), 1)
+
     def test_sequential_without_input_plans_at_fit(self):
         keras.utils.set_random_seed(0)
         model = Sequential([layers.Dense(8, activation="relu"),
