@@ -17,6 +17,7 @@ part 0 stands for every part. Only measuring imports TensorFlow.
 """
 
 import json
+import warnings
 import math
 import os
 import statistics
@@ -267,7 +268,10 @@ def measure_op_ms(
             "graph with `build_graph(model, batch)` or use the analytic "
             "cost model. Received: layer=None"
         )
-    with tf.device(devices.device_names()[0]):
+    # A shard is not the user's layer (e.g. a 1-unit softmax Dense):
+    # Keras's warnings about it would only confuse the user.
+    with tf.device(devices.device_names()[0]), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         layer = _shard_layer(op, partition.parameter_degree(op, config))
         ins, _ = shard_shapes(op, config)
         values = {
