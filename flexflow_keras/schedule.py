@@ -282,7 +282,7 @@ class Schedule:
         rebuilds the queue, counts and resource times after them, and
         runs the same loop over the rest.
         """
-        k, index = self._restart_pops(g)
+        k, kept = self._restart_pops(g)
         n, old_n = g.num_ids, len(self.end)
         out = Schedule()
         out.num_resources, out.restart_pops = self.num_resources, k
@@ -313,15 +313,13 @@ class Schedule:
                 count[u] = c
                 if c == 0:
                     woken.append(u)
-        prio, get = g.prio, index.get
-        heap = [
-            (ready[u], prio[u], u) for u in set(woken) if get(u, k) >= k
-        ]
+        prio = g.prio
+        heap = [(ready[u], prio[u], u) for u in set(woken) - kept]
         heapq.heapify(heap)
         _loop(g, out, heap, count, ready, free)
         return out
 
-    def _restart_pops(self, g: Compiled) -> tuple[int, dict[int, int]]:
+    def _restart_pops(self, g: Compiled) -> tuple[int, set[int]]:
         """How many of self's pops a run of `g` makes identically.
 
         A changed task (new, or old with changed predecessors) cannot be
@@ -332,7 +330,7 @@ class Schedule:
         ready time) and include no killed or changed task.
 
         Returns:
-            k, and the pop index of each of self's first pops (>= k).
+            k, and the set of self's first k pops.
         """
         end, first_new = self.end, g.first_new
         bound: dict[int, float] = {}
@@ -355,12 +353,14 @@ class Schedule:
         k = bisect.bisect_left(
             self.order, lowest, key=self.ready.__getitem__
         )
-        index = dict(zip(self.order[:k], range(k)))
-        for t in g.killed:
-            k = min(k, index.get(t, k))
-        for t in g.touched:
-            k = min(k, index.get(t, k))
-        return k, index
+        order = self.order
+        kept = set(order[:k])
+        hits = kept.intersection(g.killed)
+        hits.update(kept.intersection(g.touched))
+        if hits:
+            k = min(order.index(t, 0, k) for t in hits)
+            kept = set(order[:k])
+        return k, kept
 
 
 def _loop(
