@@ -15,6 +15,9 @@ old run's first k pops when each has a ready time below every changed
 task's earliest possible one (see `_restart_pops`), rebuild the state
 after them, and go on with the same loop: the result is bit for bit the
 one a run from scratch gives.
+
+Riders (`Piece.riders`): tasks that would pop right after a leader and
+wake nothing take no queue entry of their own; `_ride` runs them with it.
 """
 
 import bisect
