@@ -17,8 +17,8 @@ setup(
     install_requires=[
         "tensorflow>=2.21,<2.22",
         "keras>=3.15,<3.16",
-        "numpy>=1.26,<3",
-        "protobuf>=4.25",
+        "numpy>=1.26,<3",  # verified: 2.4
+        "protobuf>=6.31.1,<8",  # what TensorFlow 2.21 accepts
         "absl-py>=2.1",
     ],
     extras_require={"test": ["pytest>=8"]},
