@@ -112,18 +112,12 @@ class _PlanningModel(StrategyTrainer):
     def _ensure_plan(self, batch_size: int) -> None:
         """Plans for `batch_size` once, then attaches it to the runtime."""
         from flexflow_keras import planner, runtime
-        from flexflow_keras.graph import has_graph
 
-        if not has_graph(self):
-            if not getattr(self, "_ff_warned_no_graph", False):
-                warnings.warn(
-                    f"Model '{self.name}' is a subclassed model with no "
-                    "graph of layers to parallelize, so it trains as plain "
-                    "Keras on one device. Build it with `keras.Input(...)` "
-                    "(functional or Sequential) to get a searched strategy.",
-                    stacklevel=3,
-                )
-                self._ff_warned_no_graph = True
+        reason = _why_plain_keras(self)
+        if reason is not None:
+            if not getattr(self, "_ff_warned_plain", False):
+                warnings.warn(reason, stacklevel=3)
+                self._ff_warned_plain = True
             return
         plan = self._ff_plans.get(batch_size)
         if plan is None:
@@ -135,6 +129,29 @@ class _PlanningModel(StrategyTrainer):
         if plan is not self._ff_plan:
             runtime.attach_strategy(self, plan.graph, plan.strategy)
             self._ff_plan = plan
+
+
+def _why_plain_keras(model: Any) -> str | None:
+    """Why `model` must train as plain Keras (one device), or None."""
+    from flexflow_keras import runtime
+    from flexflow_keras.graph import has_graph
+
+    if not has_graph(model):
+        return (
+            f"Model '{model.name}' is a subclassed model with no graph of "
+            "layers to parallelize, so it trains as plain Keras on one "
+            "device. Build it with `keras.Input(...)` (functional or "
+            "Sequential) to get a searched strategy."
+        )
+    reasons = runtime.unsupported_features(model)
+    if reasons:
+        return (
+            f"Model '{model.name}' trains as plain Keras on one device: "
+            f"the parallel runtime cannot yet match Keras when "
+            f"{'; '.join(reasons)}. Remove those to get a searched "
+            "strategy."
+        )
+    return None
 
 
 class Model(_PlanningModel, keras.Model):

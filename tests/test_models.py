@@ -168,6 +168,52 @@ class DropInTest(unittest.TestCase):
         self.assertIsNone(model.strategy)
 
 
+class PlainKerasFallbackTest(unittest.TestCase):
+    """Features the runtime cannot match train as plain Keras, loudly."""
+
+    def fit_and_warnings(self, model, optimizer="sgd"):
+        model.compile(optimizer, "mse", search_budget=5)
+        x, y = data()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        self.assertEqual(len(history.history["loss"]), 1)
+        self.assertIsNone(model.strategy)
+        return " ".join(str(w.message) for w in caught)
+
+    def test_regularizer(self):
+        inputs = keras.Input((8,))
+        outputs = layers.Dense(
+            4, kernel_regularizer=keras.regularizers.L2(0.1), name="reg"
+        )(inputs)
+        text = self.fit_and_warnings(Model(inputs, outputs))
+        self.assertIn("layer 'reg' has kernel_regularizer", text)
+
+    def test_mask(self):
+        inputs = keras.Input((8,), dtype="int32")
+        h = layers.Embedding(10, 4, mask_zero=True, name="emb")(inputs)
+        outputs = layers.GlobalAveragePooling1D()(h)
+        model = Model(inputs, layers.Dense(4)(outputs))
+        model.compile("sgd", "mse", search_budget=5)
+        x = np.random.default_rng(0).integers(0, 10, size=(32, 8))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, np.zeros((32, 4)), batch_size=16, verbose=0)
+        text = " ".join(str(w.message) for w in caught)
+        self.assertIn("layer 'emb' produces a mask", text)
+
+    def test_mixed_precision(self):
+        inputs = keras.Input((8,))
+        outputs = layers.Dense(4, dtype="mixed_bfloat16", name="mp")(inputs)
+        text = self.fit_and_warnings(Model(inputs, outputs))
+        self.assertIn("layer 'mp' uses mixed precision", text)
+
+    def test_unsupported_optimizer(self):
+        text = self.fit_and_warnings(small_mlp(), keras.optimizers.Nadam())
+        self.assertIn("optimizer is not supported", text)
+        self.assertIn("Nadam", text)
+
+
 class ModelClassTest(unittest.TestCase):
     def test_functional_subclass_leaves_model_class_intact(self):
         class Wrapped(Model):

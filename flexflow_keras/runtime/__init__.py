@@ -5,8 +5,14 @@
 the strategy's per-op meshes and layouts; `detach_strategy` switches back.
 """
 
+from flexflow_keras.runtime.support import unsupported_features
 from flexflow_keras.runtime.trainer import StrategyTrainer
 from flexflow_keras.runtime.trainer import attach_strategy
 from flexflow_keras.runtime.trainer import detach_strategy
 
-__all__ = ["StrategyTrainer", "attach_strategy", "detach_strategy"]
+__all__ = [
+    "StrategyTrainer",
+    "attach_strategy",
+    "detach_strategy",
+    "unsupported_features",
+]
