@@ -99,44 +99,41 @@ class StrategyTrainer:
     def strategy_executor(self) -> Executor | None:
         return self._ff_executor
 
-    def make_train_function(self, force=False):
-        if self._ff_executor is None:
-            return super().make_train_function(force=force)
-        if self._ff_executor.single_device is not None:
-            if self.train_function is None or force:
-                super().make_train_function(force=True)
-                self.train_function = _on_device(
-                    self.train_function, self._ff_executor.single_device
+    def _strategy_function(self, kind: str, keras_make: Any, force: bool):
+        """The `kind` (train/test/predict) function under the strategy.
+
+        Without a strategy: Keras's own. A one-device strategy: Keras's
+        own step pinned to that device. Otherwise the DTensor executor's.
+        """
+        attr = f"{kind}_function"
+        executor = self._ff_executor
+        if executor is None:
+            return keras_make(force=force)
+        if getattr(self, attr) is None or force:
+            if executor.single_device is not None:
+                keras_make(force=True)
+                function = _on_device(
+                    getattr(self, attr), executor.single_device
                 )
-            return self.train_function
-        if self.train_function is None or force:
-            self.train_function = self._ff_executor.make_function("train")
-        return self.train_function
+            else:
+                function = executor.make_function(kind)
+            setattr(self, attr, function)
+        return getattr(self, attr)
+
+    def make_train_function(self, force=False):
+        return self._strategy_function(
+            "train", super().make_train_function, force
+        )
 
     def make_test_function(self, force=False):
-        if self._ff_executor is None:
-            return super().make_test_function(force=force)
-        if self._ff_executor.single_device is not None:
-            if self.test_function is None or force:
-                super().make_test_function(force=True)
-                self.test_function = _on_device(
-                    self.test_function, self._ff_executor.single_device
-                )
-            return self.test_function
-        if self.test_function is None or force:
-            self.test_function = self._ff_executor.make_function("test")
-        return self.test_function
+        return self._strategy_function(
+            "test", super().make_test_function, force
+        )
 
     def make_predict_function(self, force=False):
-        if self._ff_executor is None:
-            return super().make_predict_function(force=force)
-        if self._ff_executor.single_device is not None:
-            if self.predict_function is None or force:
-                super().make_predict_function(force=True)
-                self.predict_function = _on_device(
-                    self.predict_function, self._ff_executor.single_device
-                )
-            return self.predict_function
+        return self._strategy_function(
+            "predict", super().make_predict_function, force
+        )
         if self.predict_function is None or force:
             self.predict_function = self._ff_executor.make_function(
                 "predict"
