@@ -101,8 +101,10 @@ def _simulator(graph: Any, machine: Any, slots: int) -> Any:
     return simulator.Simulator(graph, machine, optimizer_slots=slots)
 
 
-def _per_op_ms(result: Any) -> Any:
-    return getattr(result, "per_op_ms", None)
+def _per_op_ms(sim: Any, strategy: Any) -> dict[str, float]:
+    from flexflow_keras.planner import per_op_ms
+
+    return per_op_ms(sim.graph, strategy, sim.cost)
 
 
 def cmd_search(args: argparse.Namespace, out: Any) -> int:
@@ -121,9 +123,10 @@ def cmd_search(args: argparse.Namespace, out: Any) -> int:
     )
     if args.quiet:
         print(search.report(result), file=out)
-    final = sim.simulate(result.strategy)
-    print(search.strategy_table(graph, result.strategy, _per_op_ms(final)),
-          file=out)
+    table = search.strategy_table(
+        graph, result.strategy, _per_op_ms(sim, result.strategy)
+    )
+    print(table, file=out)
     if settings.export_strategy:
         strategy_files.save_strategy(result.strategy,
                                      settings.export_strategy)
@@ -174,7 +177,8 @@ def cmd_simulate(args: argparse.Namespace, out: Any) -> int:
     sim = _simulator(graph, machine, args.optimizer_slots)
     result = sim.simulate(strategy)
     base = sim.simulate(data_parallel)
-    print(strategy_table(graph, strategy, _per_op_ms(result)), file=out)
+    print(strategy_table(graph, strategy, _per_op_ms(sim, strategy)),
+          file=out)
     print(f"Machine: {machine}", file=out)
     print(
         f"Simulated step time: {result.step_ms:.3f} ms "

@@ -100,14 +100,14 @@ def make_plan(
     return dataclasses.replace(
         plan,
         step_ms=sim.simulate(plan.strategy).step_ms,
-        per_op_ms=_per_op_ms(graph, plan.strategy, sim.cost),
+        per_op_ms=per_op_ms(graph, plan.strategy, sim.cost),
     )
 
 
-def _per_op_ms(
+def per_op_ms(
     graph: OpGraph, strategy: Strategy, cost: Any
 ) -> dict[str, float]:
-    """Forward + backward ms of each op's slowest part."""
+    """Forward + backward ms of each op's slowest part (for tables)."""
     return {
         op.name: max(
             sum(cost.op_cost(op, strategy[op.name], device))

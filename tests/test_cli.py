@@ -59,6 +59,7 @@ class CliTest(unittest.TestCase):
         self.assertIn("=========== Best Discovered Strategy ==========", out)
         self.assertRegex(out, r"speed-up over data parallelism: [\d.]+x")
         self.assertRegex(out, r"fc1 \(Dense\)\s+\(16, 64\)")
+        self.assertRegex(out, r"fc1 \(Dense\).* \d+\.\d{3}\n")  # its time
         configs = strategy_files.read_configs(self.path("s.pb"))
         self.assertEqual(sorted(configs), ["fc1", "fc2", "fc3"])
 
@@ -97,6 +98,7 @@ class CliTest(unittest.TestCase):
         self.assertRegex(out, r"Simulated step time: [\d.]+ ms \(data "
                          r"parallelism: [\d.]+ ms, speed-up [\d.]+x\)")
         self.assertIn("Fits in memory: yes", out)
+        self.assertIn("Time (ms)", out)
         with open(trace) as f:
             events = json.load(f)["traceEvents"]
         self.assertTrue(any(e.get("ph") == "X" for e in events))
