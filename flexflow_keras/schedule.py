@@ -93,6 +93,7 @@ class Compiled:
         self.succ: list[list[int]] = []
         self.npred: list[int] = []
         self.num_live = 0
+        self.bare = False  # some task holds no resource (see `_loop`)
         self.busy: np.ndarray | None = None  # (slots, devices)
         self.memory: np.ndarray | None = None
         self.comm: np.ndarray | None = None  # (slots,)
@@ -161,6 +162,8 @@ class Compiled:
         self.prio += p.priorities
         self.resm += p.resources
         res1, npred = _res1_npred(p)
+        if not self.bare and () in p.resources:
+            self.bare = True
         self.res1 += res1
         self.succ += [[] for _ in range(n)]
         self.npred += npred
@@ -184,6 +187,7 @@ class Compiled:
         """
         g = Compiled()
         g.pieces, g.op_slots = list(pieces), self.op_slots
+        g.bare = self.bare
         g.slot_base = list(self.slot_base)
         g.dur, g.res1, g.resm = list(self.dur), list(self.res1), list(
             self.resm)
@@ -285,7 +289,7 @@ class Schedule:
         rebuilds the queue, counts and resource times after them, and
         runs the same loop over the rest.
         """
-        k, kept = self._restart_pops(g)
+        k = self._restart_pops(g)
         n, old_n = g.num_ids, len(self.end)
         out = Schedule()
         out.num_resources, out.restart_pops = self.num_resources, k
@@ -301,6 +305,7 @@ class Schedule:
         woken = list(g.sources)
         for t in out.order:
             e = end[t]
+            count[t] = -1  # popped: not queued again below
             r = res1[t]
             if r >= 0:
                 free[r] = e
@@ -317,23 +322,24 @@ class Schedule:
                 if c == 0:
                     woken.append(u)
         prio = g.prio
-        heap = [(ready[u], prio[u], u) for u in set(woken) - kept]
+        # No task is woken twice; the popped ones were marked above.
+        heap = [(ready[u], prio[u], u) for u in woken if count[u] == 0]
         heapq.heapify(heap)
         _loop(g, out, heap, count, ready, free)
         return out
 
-    def _restart_pops(self, g: Compiled) -> tuple[int, set[int]]:
+    def _restart_pops(self, g: Compiled) -> int:
         """How many of self's pops a run of `g` makes identically.
 
         A changed task (new, or old with changed predecessors) cannot be
         ready before every old predecessor it has in the new graph ends;
         one with no predecessor may be ready at 0; one whose listed
         predecessors are all new waits for them. The kept pops must have
-        ready times below all these bounds (pops leave in non-decreasing
-        ready time) and include no killed or changed task.
-
-        Returns:
-            k, and the set of self's first k pops.
+        ready times below all these bounds and include no killed or
+        changed task. Pops leave in non-decreasing ready time, so the
+        first k pops are the tasks readied below the bound: a killed or
+        changed task (all were popped) is among them iff its ready time
+        is, and no set of the k pops need be built.
         """
         end, first_new = self.end, g.first_new
         bound: dict[int, float] = {}
@@ -356,14 +362,12 @@ class Schedule:
         k = bisect.bisect_left(
             self.order, lowest, key=self.ready.__getitem__
         )
-        order = self.order
-        kept = set(order[:k])
-        hits = kept.intersection(g.killed)
-        hits.update(kept.intersection(g.touched))
+        ready = self.ready
+        hits = [t for t in g.killed if ready[t] < lowest]
+        hits += [t for t in g.touched if ready[t] < lowest]
         if hits:
-            k = min(order.index(t, 0, k) for t in hits)
-            kept = set(order[:k])
-        return k, kept
+            k = min(self.order.index(t, 0, k) for t in hits)
+        return k
 
 
 def _loop(
@@ -418,7 +422,13 @@ def _loop(
         if wake is replace:
             pop(heap)
     assert len(order) == g.num_live, "task graph has a cycle"
-    out.step_ms = max(end, default=0.0)  # dead ids end at 0
+    if g.bare:
+        out.step_ms = max(end, default=0.0)  # dead ids end at 0
+    else:
+        # Each task ends no earlier than its resources were free and
+        # leaves them free at its end: the last end per resource is the
+        # latest of all, found in far fewer reads than there are ids.
+        out.step_ms = max(free, default=0.0)
 
 
 def _ride(
