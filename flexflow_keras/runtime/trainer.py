@@ -159,36 +159,39 @@ class StrategyTrainer:
         finally:
             executor.sync_out()
 
-    def evaluate(self, *args, **kwargs):
+    def _sync_in(self) -> None:
+        """Keras variables -> DVariables (no-op without a strategy)."""
         if self._ff_executor is not None:
             self._ff_executor.sync_in()
+
+    def _sync_out(self) -> None:
+        """DVariables -> Keras variables (no-op without a strategy)."""
+        if self._ff_executor is not None:
+            self._ff_executor.sync_out()
+
+    def evaluate(self, *args, **kwargs):
+        self._sync_in()
         return super().evaluate(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
-        if self._ff_executor is not None:
-            self._ff_executor.sync_in()
+        self._sync_in()
         return super().predict(*args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
-        if self._ff_executor is not None:
-            self._ff_executor.sync_in()
+        self._sync_in()
         try:
             return super().train_on_batch(*args, **kwargs)
         finally:
-            if self._ff_executor is not None:
-                self._ff_executor.sync_out()
+            self._sync_out()
 
     def get_weights(self):
-        if self._ff_executor is not None:
-            self._ff_executor.sync_out()
+        self._sync_out()
         return super().get_weights()
 
     def save(self, *args, **kwargs):
-        if self._ff_executor is not None:
-            self._ff_executor.sync_out()
+        self._sync_out()
         return super().save(*args, **kwargs)
 
     def save_weights(self, *args, **kwargs):
-        if self._ff_executor is not None:
-            self._ff_executor.sync_out()
+        self._sync_out()
         return super().save_weights(*args, **kwargs)
