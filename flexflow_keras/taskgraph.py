@@ -158,22 +158,20 @@ def edge_piece(
                 continue
             num_bytes = partition.rect_size(common) * itemsize
             a = (input_index << 12) | i
-            route = machine.route(src, dst)
-            t = b.task(
-                route.transfer_ms(num_bytes),
-                tuple(offset + k for k in route.links),
-                priority(c, XFER_FWD, a, j),
-                (XFER_FWD, consumer.name, f"{tensor} {src}->{dst}"),
-            )
-            b.deps += [(p, j, SELF, t), (SELF, t, c, i)]
-            back = machine.route(dst, src)
-            t = b.task(
-                back.transfer_ms(num_bytes),
-                tuple(offset + k for k in back.links),
-                priority(c, XFER_BWD, a, j),
-                (XFER_BWD, consumer.name, f"{tensor} {dst}->{src}"),
-            )
-            b.deps += [(c, n_c + i, SELF, t), (SELF, t, p, n_p + j)]
+            # Forward: producer part -> consumer part; backward: the
+            # gradient the other way. Same order of tasks as before.
+            for kind, frm, to, after, before in (
+                (XFER_FWD, src, dst, (p, j), (c, i)),
+                (XFER_BWD, dst, src, (c, n_c + i), (p, n_p + j)),
+            ):
+                route = machine.route(frm, to)
+                t = b.task(
+                    route.transfer_ms(num_bytes),
+                    tuple(offset + k for k in route.links),
+                    priority(c, kind, a, j),
+                    (kind, consumer.name, f"{tensor} {frm}->{to}"),
+                )
+                b.deps += [(*after, SELF, t), (SELF, t, *before)]
             b.memory.append((dst, float(num_bytes)))
             b.comm += 2.0 * num_bytes
     return b.piece()
