@@ -14,7 +14,7 @@ import math
 import random
 import time
 
-from flexflow_keras import search_space
+from flexflow_keras import schedule, search_space
 from flexflow_keras.graph import (
     PARAMETER, SAMPLE, Op, OpGraph, TensorInfo, WeightInfo,
 )
@@ -174,6 +174,9 @@ def main() -> None:
     parser.add_argument("--check", type=int, default=200)
     parser.add_argument("--skip-inception", action="store_true")
     args = parser.parse_args()
+    print("list scheduling in",
+          "Python (flexflow_keras._listsched not built)"
+          if schedule._listsched is None else "C (flexflow_keras._listsched)")
     bench("DLRM on v100x4", dlrm_graph(), "v100x4", args.seconds,
           args.check)
     if not args.skip_inception:

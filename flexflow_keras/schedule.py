@@ -18,17 +18,28 @@ one a run from scratch gives.
 
 Riders (`Piece.riders`): tasks that would pop right after a leader and
 wake nothing take no queue entry of their own; `_ride` runs them with it.
+
+The loop runs in C (`_listsched.c`, built by setup.py where a compiler
+is) over the same typed arrays, making the same schedule bit for bit
+(tested); without it, `_python_schedule` runs, about 4x slower on a
+search walk.
 """
 
 import bisect
 import gc
 import heapq
+from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
 
 from flexflow_keras.taskgraph import SELF, Piece
+
+try:  # the same loop compiled, built by setup.py where a C compiler is
+    from flexflow_keras import _listsched
+except ImportError:
+    _listsched = None
 
 DEAD = 1 << 60  # predecessor count of a killed task: never ready
 RIDER = 1 << 59  # predecessor count of a rider: run with its leader
@@ -86,14 +97,16 @@ class Compiled:
         self.pieces: list[Piece] = []
         self.op_slots: list[int] = []
         self.slot_base: list[int] = []
-        self.dur: list[float] = []
-        self.res1: list[int] = []  # the one resource, or -1
+        # Per task id: typed arrays (the compiled loop reads them in
+        # place) and lists of tuples/lists.
+        self.dur = array("d")
+        self.res1 = array("q")  # the one resource; -1: several (resm)
         self.resm: list[tuple[int, ...]] = []
-        self.prio: list[int] = []
+        self.prio = array("q")
         self.succ: list[list[int]] = []
-        self.npred: list[int] = []
+        self.npred = array("q")
         self.num_live = 0
-        self.bare = False  # some task holds no resource (see `_loop`)
+        self.bare = False  # some task holds no resource
         self.busy: np.ndarray | None = None  # (slots, devices)
         self.memory: np.ndarray | None = None
         self.comm: np.ndarray | None = None  # (slots,)
@@ -158,15 +171,15 @@ class Compiled:
     def _append(self, k: int, p: Piece) -> None:
         self.slot_base[k] = len(self.dur)
         n = len(p.durations_ms)
-        self.dur += p.durations_ms
-        self.prio += p.priorities
+        self.dur.extend(p.durations_ms)
+        self.prio.extend(p.priorities)
         self.resm += p.resources
         res1, npred = _res1_npred(p)
         if not self.bare and () in p.resources:
             self.bare = True
-        self.res1 += res1
+        self.res1.extend(res1)
         self.succ += [[] for _ in range(n)]
-        self.npred += npred
+        self.npred.extend(npred)
 
     def _deps(self, k: int, p: Piece) -> Iterator[tuple[int, int]]:
         base, slots = self.slot_base[k], self.slot_base
@@ -189,9 +202,8 @@ class Compiled:
         g.pieces, g.op_slots = list(pieces), self.op_slots
         g.bare = self.bare
         g.slot_base = list(self.slot_base)
-        g.dur, g.res1, g.resm = list(self.dur), list(self.res1), list(
-            self.resm)
-        g.prio, g.npred = list(self.prio), list(self.npred)
+        g.dur, g.res1, g.resm = self.dur[:], self.res1[:], list(self.resm)
+        g.prio, g.npred = self.prio[:], self.npred[:]
         g.succ = list(self.succ)
         g.first_new = len(g.dur)
         killed = set()
@@ -257,9 +269,9 @@ class Schedule:
     """End times (ms) per task id, the pop order, and the makespan."""
 
     def __init__(self):
-        self.end: list[float] = []
-        self.order: list[int] = []  # task ids in pop order
-        self.ready: list[float] = []  # ready time per task id
+        self.end = array("d")
+        self.order = array("q")  # task ids in pop order
+        self.ready = array("d")  # ready time per task id
         self.step_ms = 0.0
         self.num_resources = 0
         self.restart_pops = 0  # pops kept from the previous run
@@ -274,12 +286,9 @@ class Schedule:
         n = g.num_ids
         out = cls()
         out.num_resources = num_resources
-        out.end, out.ready = [0.0] * n, [0.0] * n
-        prio = g.prio
-        heap = [(0.0, prio[t], t) for t in g.sources]
-        heapq.heapify(heap)
-        free = [0.0] * num_resources
-        _loop(g, out, heap, list(g.npred), out.ready, free)
+        out.end, out.ready = _zeros("d", n), _zeros("d", n)
+        out.order = _zeros("q", g.num_live)
+        _schedule(g, out, 0)
         return out
 
     def rerun(self, g: Compiled) -> "Schedule":
@@ -293,39 +302,13 @@ class Schedule:
         n, old_n = g.num_ids, len(self.end)
         out = Schedule()
         out.num_resources, out.restart_pops = self.num_resources, k
-        out.end = self.end + [0.0] * (n - old_n)
+        out.end = self.end + _zeros("d", n - old_n)
         for t in g.killed:
             out.end[t] = 0.0  # so the makespan is max(end)
-        out.order = self.order[:k]
-        end = out.end
-        count, ready = list(g.npred), [0.0] * n
-        out.ready = ready
-        free = [0.0] * self.num_resources
-        res1, resm, succ = g.res1, g.resm, g.succ
-        woken = list(g.sources)
-        for t in out.order:
-            e = end[t]
-            count[t] = -1  # popped: not queued again below
-            r = res1[t]
-            if r >= 0:
-                free[r] = e
-            else:
-                if r < -1:  # riders (next pops) share the leader's ready
-                    ready[t + 1:t - 1 - r] = [ready[t]] * (-2 - r)
-                for r in resm[t]:
-                    free[r] = e
-            for u in succ[t]:
-                if e > ready[u]:
-                    ready[u] = e
-                c = count[u] - 1
-                count[u] = c
-                if c == 0:
-                    woken.append(u)
-        prio = g.prio
-        # No task is woken twice; the popped ones were marked above.
-        heap = [(ready[u], prio[u], u) for u in woken if count[u] == 0]
-        heapq.heapify(heap)
-        _loop(g, out, heap, count, ready, free)
+        out.ready = _zeros("d", n)
+        out.order = _zeros("q", g.num_live)
+        out.order[:k] = self.order[:k]
+        _schedule(g, out, k)
         return out
 
     def _restart_pops(self, g: Compiled) -> int:
@@ -370,22 +353,94 @@ class Schedule:
         return k
 
 
-def _loop(
+def _zeros(typecode: str, n: int) -> array:
+    return array(typecode, bytes(8 * n))
+
+
+def _schedule(g: Compiled, out: Schedule, kept: int) -> None:
+    """Replays `out.order[:kept]`, then pops tasks until none is left.
+
+    Fills `out.end`, `out.ready`, `out.order` and `out.step_ms`. Runs
+    `_listsched.schedule` (C, the same steps) when it was built, else
+    `_python_schedule`.
+    """
+    if _listsched is not None:
+        out.step_ms = _listsched.schedule(
+            g.dur, g.res1, g.resm, g.prio, g.succ, g.npred, g.sources,
+            out.end, out.ready, out.order, kept, out.num_resources, g.bare,
+        )
+        return
+    order = out.order[:kept]
+    out.step_ms = _python_schedule(
+        g, out.end, out.ready, order, out.num_resources
+    )
+    if len(order) != g.num_live:
+        raise ValueError(
+            f"The task graph has a cycle: {len(order)} of {g.num_live} "
+            "tasks could be scheduled."
+        )
+    out.order = order
+
+
+def _python_schedule(
+    g: Compiled, end: array, ready: array, order: array,
+    num_resources: int,
+) -> float:
+    """`_schedule` in Python, in place (`order` grows from the kept
+    pops): the reference the compiled one must equal. Returns the
+    makespan."""
+    count = g.npred[:]
+    free = [0.0] * num_resources
+    res1, resm, succ = g.res1, g.resm, g.succ
+    woken = list(g.sources)
+    for t in order:
+        e = end[t]
+        count[t] = -1  # popped: not queued again below
+        r = res1[t]
+        if r >= 0:
+            free[r] = e
+        else:
+            if r < -1:  # riders (next pops) share the leader's ready
+                for v in range(t + 1, t - 1 - r):
+                    ready[v] = ready[t]
+            for r in resm[t]:
+                free[r] = e
+        for u in succ[t]:
+            if e > ready[u]:
+                ready[u] = e
+            c = count[u] - 1
+            count[u] = c
+            if c == 0:
+                woken.append(u)
+    prio = g.prio
+    # No task is woken twice; the popped ones were marked above.
+    heap = [(ready[u], prio[u], u) for u in woken if count[u] == 0]
+    heapq.heapify(heap)
+    _python_loop(g, end, order, heap, count, ready, free)
+    if g.bare:
+        return max(end, default=0.0)  # dead ids end at 0
+    # Each task ends no earlier than its resources were free and leaves
+    # them free at its end: the last end per resource is the latest of
+    # all, found in far fewer reads than there are ids.
+    return max(free, default=0.0)
+
+
+def _python_loop(
     g: Compiled,
-    out: Schedule,
+    end: array,
+    order: array,
     heap: list,
-    count: list[int],
-    ready: list[float],
+    count: array,
+    ready: array,
     free: list[float],
 ) -> None:
-    """Pops tasks until none is left; sets `out.step_ms`.
+    """Pops tasks until none is left.
 
     The popped task stays at the heap's root while it is scheduled; its
     first woken successor replaces it (one sift instead of a pop and a
     push). Keys are unique, so the pop sequence is the same.
     """
     dur, res1, resm, prio, succ = g.dur, g.res1, g.resm, g.prio, g.succ
-    end, order = out.end, out.order
     add_order = order.append
     pop, push = heapq.heappop, heapq.heappush
     replace = heapq.heapreplace
@@ -405,7 +460,7 @@ def _loop(
             for r in rs:
                 free[r] = e
         else:
-            _ride(t, -2 - r, s, g, out, ready, free)
+            _ride(t, -2 - r, s, dur, resm, end, order, ready, free)
             pop(heap)
             continue
         end[t] = e
@@ -421,19 +476,11 @@ def _loop(
                 wake = push
         if wake is replace:
             pop(heap)
-    assert len(order) == g.num_live, "task graph has a cycle"
-    if g.bare:
-        out.step_ms = max(end, default=0.0)  # dead ids end at 0
-    else:
-        # Each task ends no earlier than its resources were free and
-        # leaves them free at its end: the last end per resource is the
-        # latest of all, found in far fewer reads than there are ids.
-        out.step_ms = max(free, default=0.0)
 
 
 def _ride(
-    t: int, riders: int, s: float, g: Compiled, out: Schedule,
-    ready: list[float], free: list[float],
+    t: int, riders: int, s: float, dur: array, resm: list[tuple],
+    end: array, order: array, ready: array, free: list[float],
 ) -> None:
     """Runs leader `t` (ready at `s`) and its riders, one device each.
 
@@ -441,8 +488,7 @@ def _ride(
     (no other task's key falls between), and none wakes a task; on
     distinct devices, each starts when its own device is free.
     """
-    dur, resm, end = g.dur, g.resm, out.end
-    add_order = out.order.append
+    add_order = order.append
     for v in range(t, t + 1 + riders):
         r = resm[v][0]
         f = free[r]

@@ -1,5 +1,6 @@
 """Simulator: hand-checked step times, memory, delta == full, traces."""
 
+import contextlib
 import json
 import math
 import os
@@ -10,7 +11,9 @@ import unittest
 import model_zoo
 import pytest
 
-from flexflow_keras import search_space
+from array import array
+
+from flexflow_keras import schedule, search_space
 from flexflow_keras.cost import CostModel
 from flexflow_keras.graph import (
     PARAMETER, SAMPLE, Op, OpGraph, TensorInfo, WeightInfo, build_graph,
@@ -286,6 +289,105 @@ class DeltaTest(unittest.TestCase):
         sim.start(Strategy.data_parallel(graph, 2))
         with self.assertRaisesRegex(ValueError, "Received: dims=\\(2,\\)"):
             sim.propose("a", ParallelConfig((2,), (0, 1)))
+
+
+@contextlib.contextmanager
+def python_scheduler():
+    """Runs the schedule in Python even where the C loop is built."""
+    saved = schedule._listsched
+    schedule._listsched = None
+    try:
+        yield
+    finally:
+        schedule._listsched = saved
+
+
+class PythonSchedulerDeltaTest(DeltaTest):
+    """The Python fallback (no C compiler at install) is exact too."""
+
+    def run(self, result=None):
+        with python_scheduler():
+            return super().run(result)
+
+    def test_fallback_is_in_use(self):
+        self.assertIsNone(schedule._listsched)
+
+
+@unittest.skipIf(
+    schedule._listsched is None,
+    "flexflow_keras._listsched is not built (no C compiler at install)",
+)
+class CompiledSchedulerTest(unittest.TestCase):
+    """The C loop makes bit for bit the Python loop's schedules."""
+
+    def schedules(self, graph, machine_name, proposals, seed):
+        """(full, delta) schedules of a random walk, per implementation."""
+        m = load_machine(machine_name)
+        rng = random.Random(seed)
+        strategy = Strategy({
+            op.name: search_space.random_config(op, m.num_devices, rng)
+            for op in graph
+        })
+        walk = [
+            (op.name, search_space.random_config(op, m.num_devices, rng))
+            for op in (rng.choice(graph.ops) for _ in range(proposals))
+        ]
+        found = []
+        for context in (contextlib.nullcontext, python_scheduler):
+            with context():
+                sim = Simulator(graph, m, None, 2)
+                out = [sim._full(strategy)[3]]
+                sim.start(strategy)
+                for name, config in walk:
+                    sim.propose(name, config)
+                    out.append(sim._proposal[3])
+                    sim.accept()
+            found.append(out)
+        return found
+
+    def assert_same(self, compiled, python):
+        self.assertEqual(len(compiled), len(python))
+        for c, p in zip(compiled, python):
+            self.assertEqual(c.step_ms, p.step_ms)  # bitwise, not close
+            self.assertEqual(c.order, p.order)
+            self.assertEqual(c.end, p.end)
+            self.assertEqual(c.ready, p.ready)
+            self.assertEqual(c.restart_pops, p.restart_pops)
+
+    def test_cnn_on_p100x16(self):
+        graph = build_graph(model_zoo.cnn(), 32)
+        self.assert_same(*self.schedules(graph, "p100x16", 150, 0))
+
+    def test_dlrm_on_v100x4(self):
+        self.assert_same(*self.schedules(small_dlrm_graph(), "v100x4",
+                                         150, 1))
+
+    def test_shared_layer_on_k80x64(self):
+        graph = build_graph(model_zoo.shared_layer(), 64)
+        self.assert_same(*self.schedules(graph, "k80x64", 100, 2))
+
+    def test_cycle_is_an_error_in_both(self):
+        graph, m = chain(), machine()
+        sim = Simulator(graph, m)
+        _, _, g, _ = sim._full(place(graph, {"a": 0, "b": 1}))
+        g.succ[g.num_ids - 1].append(0)  # last task feeds the first
+        g.npred[0] += 1
+        g.sources = [t for t in g.sources if t != 0]
+        for context in (contextlib.nullcontext, python_scheduler):
+            with context(), self.assertRaisesRegex(ValueError, "cycle"):
+                schedule.Schedule.run(g, sim._num_resources())
+
+    def test_wrong_array_type_is_an_error(self):
+        graph, m = chain(), machine()
+        sim = Simulator(graph, m)
+        _, _, g, _ = sim._full(place(graph, {"a": 0, "b": 1}))
+        g.dur = array("f", g.dur)  # float32: not the float64 expected
+        with self.assertRaisesRegex(TypeError, "`dur` must be an array of "
+                                    "float64.*received format 'f'"):
+            schedule.Schedule.run(g, sim._num_resources())
+        g.dur = array("d", [1.0])  # too short
+        with self.assertRaisesRegex(TypeError, "at least"):
+            schedule.Schedule.run(g, sim._num_resources())
 
 
 @pytest.mark.slow
