@@ -208,6 +208,50 @@ class PlainKerasFallbackTest(unittest.TestCase):
         text = self.fit_and_warnings(Model(inputs, outputs))
         self.assertIn("layer 'mp' uses mixed precision", text)
 
+    def test_add_loss_in_a_custom_layer(self):
+        class Penalty(keras.layers.Layer):
+            def call(self, x):
+                self.add_loss(0.1 * keras.ops.sum(x ** 2))
+                return x
+
+        inputs = keras.Input((8,))
+        h = Penalty(name="penalty")(layers.Dense(4)(inputs))
+        model = Model(inputs, layers.Dense(4)(h))
+        text = self.fit_and_warnings(model)
+        self.assertIn("layer 'penalty' calls add_loss()", text)
+        # The fallback trains as Keras does: the penalty is in the loss.
+        plain = keras.Model(inputs, model.outputs)
+        plain.compile("sgd", "mse")
+        x, y = data()
+        self.assertGreater(plain.evaluate(x, y, verbose=0),
+                           keras.losses.MeanSquaredError()(y, plain(x)))
+
+    def test_activity_regularizer_is_reported_once(self):
+        inputs = keras.Input((8,))
+        outputs = layers.Dense(
+            4, activity_regularizer=keras.regularizers.L2(0.1), name="act"
+        )(inputs)
+        text = self.fit_and_warnings(Model(inputs, outputs))
+        self.assertIn("layer 'act' has activity_regularizer", text)
+        self.assertNotIn("calls add_loss", text)
+
+    def test_loss_check_changes_no_state(self):
+        from flexflow_keras import runtime
+
+        inputs = keras.Input((8,))
+        h = layers.BatchNormalization()(layers.Dense(8)(inputs))
+        h = layers.Dropout(0.5, seed=1)(h)
+        inner = Sequential([keras.Input((8,)), layers.Dense(4),
+                            layers.BatchNormalization()])
+        model = Model(inputs, inner(h))
+        before = [np.array(v) for v in model.variables]
+        self.assertEqual(runtime.unsupported_features(model), [])
+        after = [np.array(v) for v in model.variables]
+        self.assertGreater(len(before), 8)  # BN stats, seed state, ...
+        for a, b in zip(before, after):
+            np.testing.assert_array_equal(a, b)
+        self.assertEqual(model.losses, [])
+
     def test_unsupported_optimizer(self):
         text = self.fit_and_warnings(small_mlp(), keras.optimizers.Nadam())
         self.assertIn("optimizer is not supported", text)

@@ -2,11 +2,13 @@
 
 Why: a strategy must compute what plain Keras computes. A model using
 one of these features would train differently under the runtime (its
-regularization losses or masks dropped, its dtypes changed), so the
-caller trains it as plain Keras instead and says why.
+regularization or `add_loss` losses or masks dropped, its dtypes
+changed), so the caller trains it as plain Keras instead and says why.
 """
 
 from typing import Any
+
+import numpy as np
 
 
 def unsupported_features(model: Any) -> list[str]:
@@ -39,4 +41,50 @@ def unsupported_features(model: Any) -> list[str]:
             reasons.append(
                 f"{name} uses mixed precision ({policy.name})"
             )
-    return reasons
+    return reasons + _add_loss_reasons(model, " ".join(reasons))
+
+
+def _add_loss_reasons(model: Any, reported: str) -> list[str]:
+    """Reasons for the layers whose call adds a loss (`add_loss`), except
+    those `reported` already names (regularizers add losses too).
+
+    Nothing in a layer's config says so, and the symbolic call that
+    built the model dropped such losses, so this runs one forward pass
+    on zeros (batch 1, or the model's fixed batch) in Keras's stateless
+    mode: no variable, moving statistic or seed changes.
+    """
+    import keras
+
+    def zeros(tensor: Any) -> np.ndarray:
+        shape = tuple(1 if n is None else n for n in tensor.shape)
+        return np.zeros(shape, dtype=tensor.dtype)
+
+    try:
+        # A Sequential built from a shape has inputs only on its Functional.
+        function = getattr(model, "_functional", None) or model
+        inputs = keras.tree.map_structure(zeros, function.input)
+        _, _, losses = model.stateless_call(
+            [v.value for v in model.trainable_variables],
+            [v.value for v in model.non_trainable_variables],
+            inputs, training=True, return_losses=True,
+        )
+        names = [  # read before `_clear_losses` below forgets them
+            layer.name
+            for layer in model._flatten_layers(include_self=False)
+            if getattr(layer, "_loss_ids", None)
+        ]
+    except Exception as error:  # noqa: BLE001 - unknown: assume the worst
+        return [
+            "its layers could not be checked for add_loss() (a forward "
+            f"pass on zeros raised {type(error).__name__}: {error})"
+        ]
+    finally:
+        model._clear_losses()
+    if not losses:
+        return []
+    if not names:
+        return ["its call adds a loss (add_loss())"]
+    return [
+        f"layer '{name}' calls add_loss()" for name in names
+        if f"layer '{name}' " not in reported
+    ]
