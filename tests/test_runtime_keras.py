@@ -175,6 +175,60 @@ class RuntimeKerasTest(unittest.TestCase):
                 rtol=1e-5, atol=1e-6,
             )
 
+    def test_optimizer_state_is_saved_and_resumed(self):
+        ref, model = pair("mlp", "adam", metrics=())
+        x, y = support.MODELS["mlp"][1](24)
+        model.fit(x, y, **FIT)
+        ref.fit(x, y, **FIT)
+        self.assertEqual(len(model.optimizer.variables),
+                         len(ref.optimizer.variables))
+        for a, b in zip(model.optimizer.variables, ref.optimizer.variables):
+            np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5,
+                                       atol=1e-7, err_msg=a.path)
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save(os.path.join(tmp, "ff.keras"))
+            ref.save(os.path.join(tmp, "ref.keras"))
+            model = keras.models.load_model(os.path.join(tmp, "ff.keras"),
+                                            custom_objects=CUSTOM)
+            ref = keras.models.load_model(os.path.join(tmp, "ref.keras"))
+        support.attach(model, support.parameter, 8)
+        # Adam's moments resume: zero moments at step 13 would move the
+        # weights far more than the saved ones do.
+        self.assert_histories_equal(model.fit(x, y, **FIT),
+                                    ref.fit(x, y, **FIT))
+        for a, b in zip(model.get_weights(), ref.get_weights()):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+    def test_every_optimizer_slot_reaches_keras(self):
+        optimizers = {
+            "nesterov": lambda: keras.optimizers.SGD(0.01, 0.9, True),
+            "amsgrad": lambda: keras.optimizers.Adam(amsgrad=True),
+            "adamw": lambda: keras.optimizers.AdamW(0.01),
+            "rmsprop": lambda: keras.optimizers.RMSprop(
+                momentum=0.5, centered=True),
+            "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+        }
+        x, y = support.MODELS["mlp"][1](16)
+        for name, make in optimizers.items():
+            with self.subTest(optimizer=name):
+                ref, model = support.build_pair("mlp")
+                ref.compile(optimizer=make(), loss="mse")
+                model.compile(optimizer=make(), loss="mse")
+                support.attach(model, support.parameter, 8)
+                model.fit(x, y, **FIT)
+                ref.fit(x, y, **FIT)
+                mine = model.optimizer.variables
+                theirs = ref.optimizer.variables
+                self.assertEqual(  # names past the optimizer's own
+                    [v.path.split("/", 1)[1] for v in mine],
+                    [v.path.split("/", 1)[1] for v in theirs],
+                )
+                for a, b in zip(mine, theirs):
+                    np.testing.assert_allclose(
+                        np.array(a), np.array(b), rtol=1e-4, atol=1e-6,
+                        err_msg=a.path,
+                    )
+
     @unittest.skipUnless(_HAS_TENSORBOARD, "tensorboard is not installed")
     def test_tensorboard_writes_logs(self):
         ref, model = pair()

@@ -59,21 +59,45 @@ def _slot_names(optimizer: Any) -> tuple[str, ...]:
     return ("accumulator",)  # Adagrad
 
 
+# Our slot name -> the Keras optimizer's list of that slot, per variable.
+_KERAS_SLOT_LISTS = {
+    "momentum": {"SGD": "momentums", "RMSprop": "_momentums"},
+    "m": "_momentums",
+    "v": "_velocities",
+    "v_hat": "_velocity_hats",
+    "velocity": "_velocities",
+    "average_grad": "_average_gradients",
+    "accumulator": "_accumulators",
+}
+
+
 class Updater:
     """Applies one optimizer step to DVariables inside a tf.function.
+
+    The slots (moments, accumulators) live as DVariables beside the
+    weights; `pull` and `push` mirror them into the Keras optimizer's own
+    variables, so a saved model carries them and a loaded or re-compiled
+    one resumes from them, as with plain Keras.
 
     Args:
         optimizer: The compiled Keras optimizer (read for hyperparameters).
         store: The `VariableStore`.
         variables: Trainable Keras variables, in model order.
+        model_variables: All the model's trainable variables, in the order
+            Keras builds its optimizer with.
     """
 
-    def __init__(self, optimizer: Any, store: Any, variables: list):
+    def __init__(
+        self, optimizer: Any, store: Any, variables: list,
+        model_variables: list,
+    ):
         check_supported(optimizer)
         self.optimizer = optimizer
         self.kind = type(optimizer).__name__
+        self._model_variables = model_variables
         self._slots: dict[int, dict[str, Any]] = {}
         self._decay: dict[int, bool] = {}
+        self._keras_of: dict[int, Any] = {}  # id(dvar) -> Keras variable
         wd = getattr(optimizer, "weight_decay", None)
         for var in variables:
             dvar = store.dvariable(var)
@@ -87,9 +111,51 @@ class Updater:
                     _filled(layout, tuple(var.shape), init, var.dtype)
                 )
             self._slots[id(dvar)] = slots
+            self._keras_of[id(dvar)] = var
             self._decay[id(dvar)] = bool(wd) and optimizer._use_weight_decay(
                 var
             )
+        self._layout_of = {
+            id(dvar): store.layout(var) for dvar, var in (
+                (store.dvariable(v), v) for v in variables
+            )
+        }
+        self.push()
+
+    def _keras_slot(self, name: str, var: Any) -> Any:
+        lists = _KERAS_SLOT_LISTS[name]
+        if isinstance(lists, dict):
+            lists = lists[self.kind]
+        return getattr(self.optimizer, lists)[
+            self.optimizer._get_variable_index(var)
+        ]
+
+    def push(self) -> None:
+        """Keras optimizer slots -> ours, when Keras has built them (a
+        loaded model, or one trained before); else ours keep their
+        initial values, which are Keras's."""
+        if not self.optimizer.built:
+            return
+        from flexflow_keras.runtime.variables import to_layout
+
+        for key, slots in self._slots.items():
+            var, layout = self._keras_of[key], self._layout_of[key]
+            for name, slot in slots.items():
+                slot.assign(to_layout(self._keras_slot(name, var).value,
+                                      layout))
+
+    def pull(self) -> None:
+        """Our slots -> the Keras optimizer's (built here if need be)."""
+        from flexflow_keras.runtime.variables import gather
+
+        if not self.optimizer.built:
+            self.optimizer.build(self._model_variables)
+        for key, slots in self._slots.items():
+            var = self._keras_of[key]
+            for name, slot in slots.items():
+                self._keras_slot(name, var).assign(
+                    gather(slot.read_value())
+                )
 
     def apply(self, grads: list, dvars: list, lr: Any, step: Any) -> None:
         """Updates `dvars` with `grads`; lr and step are scalar DTensors.

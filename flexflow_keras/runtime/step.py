@@ -160,14 +160,18 @@ class Executor:
     # -- sync -------------------------------------------------------------
 
     def sync_in(self) -> None:
-        """Keras values -> DVariables, unless the DVariables are newer."""
+        """Keras values -> DVariables, unless the DVariables are newer
+        (weights and optimizer slots)."""
         if not self.dirty and self.store is not None:
             self.store.push()
+            if self.updater is not None:
+                self.updater.push()
 
     def sync_out(self) -> None:
         """DVariables -> Keras values, if training changed them."""
         if self.dirty:
             self.store.pull()
+            self.updater.pull()
             self.dirty = False
 
     # -- graph pieces (trace time) ------------------------------------------
@@ -388,7 +392,8 @@ class Executor:
     def train_batch(self, data) -> dict:
         if self.updater is None:
             self.updater = Updater(
-                self.model.optimizer, self.store, self.trainable
+                self.model.optimizer, self.store, self.trainable,
+                self.model.trainable_variables,
             )
         x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
         flat_x = self._flat_inputs(x)
