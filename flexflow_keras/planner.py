@@ -5,6 +5,7 @@ and the command line (`python -m flexflow_keras`) plans the same way.
 """
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,7 +69,8 @@ def make_plan(
     data parallelism; otherwise MCMC searches from data parallelism.
     """
     from flexflow_keras import machine as machine_lib
-    from flexflow_keras import search, simulator, strategy_files
+    from flexflow_keras import search, search_space, simulator
+    from flexflow_keras import strategy_files
 
     graph = build_graph(model, batch_size)
     machine = machine_lib.load_machine(settings.machine)
@@ -80,6 +82,15 @@ def make_plan(
         strategy = strategy_files.load_strategy(
             settings.import_strategy, graph, num_devices
         )
+        strategy, changed = search_space.tie_shared(graph, strategy)
+        if changed:
+            warnings.warn(
+                f"{settings.import_strategy}: ops {changed} call a shared "
+                "layer, whose calls run on its weights' devices: they take "
+                "the config of the layer's first call instead of their "
+                "own. Give every call of a shared layer the same config.",
+                stacklevel=2,
+            )
         plan = Plan(graph, strategy, "import", machine=machine)
     elif settings.search_budget == 0:
         strategy = Strategy.data_parallel(graph, num_devices)

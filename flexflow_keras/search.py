@@ -9,9 +9,13 @@ chain restarts from the best strategy every `budget / 100` iterations
 (at least 1, at most 1000). Infeasible proposals (over a device's
 memory) are rejected. Ctrl-C ends the search early and keeps the best.
 
+The calls of a shared layer (`search_space.weight_ties`) change config
+together, as the runtime runs them.
+
 Python only: the simulator is any object with FlexFlow's interface,
 `start(strategy)`, `propose(op_name, config)` (not committed) and
-`accept()`, each returning a result with `step_ms` and `feasible`.
+`accept()`, each returning a result with `step_ms` and `feasible`, plus
+`propose_many({op_name: config})` for graphs with shared layers.
 """
 
 import dataclasses
@@ -23,7 +27,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from flexflow_keras.graph import OpGraph
-from flexflow_keras.search_space import random_config
+from flexflow_keras.search_space import (
+    random_config, tie_shared, weight_ties,
+)
 from flexflow_keras.strategy import Strategy, validate_config
 
 PROGRESS_EVERY = 100
@@ -120,6 +126,8 @@ def search(
     data_parallel = Strategy.data_parallel(graph, num_devices)
     current = data_parallel if initial is None else initial
     current.validate(graph, num_devices)
+    current, _ = tie_shared(graph, current)
+    ties = weight_ties(graph)
     start = time.perf_counter()
     if initial is None:
         data_parallel_ms = cur_ms = _ms(simulator.start(current))
@@ -147,10 +155,17 @@ def search(
                 config = random_config(op, num_devices, rng)
             next_ms = cur_ms
             if config != current[op.name]:
-                next_ms = _ms(simulator.propose(op.name, config))
+                tied = ties.get(op.name)
+                if tied is None:
+                    next_ms = _ms(simulator.propose(op.name, config))
+                else:  # a shared layer's calls change together
+                    next_ms = _ms(simulator.propose_many(
+                        {name: config for name in tied}
+                    ))
                 if _accept(next_ms, cur_ms, alpha, rng):
                     simulator.accept()
-                    current = current.replace(op.name, config)
+                    for name in tied or (op.name,):
+                        current = current.replace(name, config)
                     cur_ms = next_ms
                     accepted += 1
                     if cur_ms < best_ms:

@@ -8,7 +8,9 @@ a whole op on one device k (`dims` all 1, `device_ids=(k,)`) is in the
 space, as FlexFlow's DLRM strategy needs for its embedding tables.
 
 The DTensor runtime's tests execute random configs from here: what this
-module proposes, the runtime must run.
+module proposes, the runtime must run. The calls of one shared layer are
+tied (`weight_ties`): the runtime keeps the layer's weights on one mesh
+and runs every call there, so they take one config together.
 """
 
 import functools
@@ -17,8 +19,8 @@ import math
 import random
 from collections.abc import Iterator
 
-from flexflow_keras.graph import Op
-from flexflow_keras.strategy import ParallelConfig
+from flexflow_keras.graph import Op, OpGraph
+from flexflow_keras.strategy import ParallelConfig, Strategy
 
 
 def _divisors(size: int, limit: int) -> list[int]:
@@ -133,3 +135,34 @@ def random_config(
     else:
         ids = tuple(rng.sample(range(num_devices), parts))
     return ParallelConfig(dims, ids)
+
+
+def weight_ties(graph: OpGraph) -> dict[str, tuple[str, ...]]:
+    """Op name -> the ops that must share its config, itself included.
+
+    The calls of a shared layer with the owner's output shape: their
+    weights live once, on the owner's mesh, and the runtime runs each
+    call there (`runtime.layouts.plan_ops`). A call of another shape is
+    not tied (the runtime needs its config to equal the owner's anyway).
+    Ops outside any tie are absent.
+    """
+    groups: dict[str, list[str]] = {}
+    for op in graph:
+        owner = op.shares_weights_with
+        if owner and graph.op(owner).output_shape == op.output_shape:
+            groups.setdefault(owner, [owner]).append(op.name)
+    return {name: tuple(g) for g in groups.values() for name in g}
+
+
+def tie_shared(
+    graph: OpGraph, strategy: Strategy
+) -> tuple[Strategy, list[str]]:
+    """`strategy` with each tied op given its owner's config, and the
+    names of the ops that changed (what runs, so what to simulate)."""
+    changed = []
+    for name, group in weight_ties(graph).items():
+        owner = strategy[group[0]]
+        if strategy[name] != owner:
+            strategy = strategy.replace(name, owner)
+            changed.append(name)
+    return strategy, changed

@@ -109,19 +109,26 @@ class Simulator:
 
     def propose(self, op_name: str, config: ParallelConfig) -> SimResult:
         """The current strategy with one op's config changed; no commit."""
+        return self.propose_many({op_name: config})
+
+    def propose_many(self, changes: dict[str, ParallelConfig]) -> SimResult:
+        """The current strategy with several ops' configs changed (e.g. the
+        calls of one shared layer, which run alike); no commit."""
         if self._state is None:
             raise ValueError(
                 "Call `start(strategy)` before `propose()`. "
-                f"Received: op_name={op_name!r} with no started strategy."
+                f"Received: changes to {sorted(changes)} with no started "
+                "strategy."
             )
         configs, pieces, compiled, schedule = self._state
-        op = self.graph.op(op_name)
-        self._check_config(op, config)
+        for op_name, config in changes.items():
+            self._check_config(self.graph.op(op_name), config)
         new_configs = dict(configs)
-        new_configs[op_name] = config
+        new_configs.update(changes)
+        touched = self._layout.touched
+        changed = tuple(sorted({k for n in changes for k in touched[n]}))
         with no_gc():
             new_pieces = list(pieces)
-            changed = self._layout.touched[op_name]
             for k in changed:
                 new_pieces[k] = self._piece(
                     self._layout.slots[k], new_configs

@@ -13,7 +13,7 @@ import keras
 import numpy as np
 
 import flexflow_keras
-from flexflow_keras import Model, Sequential, layers
+from flexflow_keras import Model, Sequential, layers, strategy_files
 from flexflow_keras.strategy import ParallelConfig, Strategy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,12 +80,45 @@ class CompilePlanTest(unittest.TestCase):
         })
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "s.pb")
-            flexflow_keras.strategy_files.save_strategy(strategy, path)
+            strategy_files.save_strategy(strategy, path)
             model = small_mlp()
             model.compile("sgd", "mse", import_strategy=path)
             x, y = data()
             model.fit(x, y, batch_size=16, epochs=1, verbose=0)
         self.assertEqual(model.strategy, strategy)
+
+    def test_imported_shared_layer_calls_are_tied(self):
+        inputs = [keras.Input((8,), batch_size=16), keras.Input((8,),
+                                                                batch_size=16)]
+        shared = layers.Dense(4, name="shared")
+        merged = layers.Add(name="add")(
+            [shared(inputs[0]), shared(inputs[1])]
+        )
+        model = Model(inputs, layers.Dense(1, name="head")(merged))
+        strategy = Strategy({
+            "shared": ParallelConfig((2, 1), (0, 1)),
+            "shared#1": ParallelConfig((1, 1), (3,)),
+            "add": ParallelConfig((4, 1), (0, 1, 2, 3)),
+            "head": ParallelConfig((4, 1), (0, 1, 2, 3)),
+        })
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "s.txt")
+            strategy_files.save_strategy(strategy, path)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model.compile("sgd", "mse", import_strategy=path)
+        text = " ".join(str(w.message) for w in caught)
+        self.assertIn("['shared#1'] call a shared layer", text)
+        self.assertEqual(model.strategy["shared#1"], strategy["shared"])
+        rng = np.random.default_rng(0)
+        x = [rng.random((32, 8), dtype=np.float32) for _ in range(2)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, np.zeros((32, 1)), batch_size=16, verbose=0)
+        self.assertFalse(  # the runtime runs what the plan says
+            [w for w in caught if "runs with that op's config" in
+             str(w.message)]
+        )
 
     def test_summary_lists_each_op_config(self):
         model = small_mlp()

@@ -292,6 +292,56 @@ class RealSimulatorTest(unittest.TestCase):
         self.assertLess(optimum, result.data_parallel_ms)
 
 
+class SharedLayerTest(unittest.TestCase):
+    """A shared layer's calls run on its weights' mesh: they are searched
+    together, so the simulated strategy is the one that runs."""
+
+    def test_calls_of_a_shared_layer_keep_one_config(self):
+        import model_zoo
+        from flexflow_keras.machine import load_machine
+        from flexflow_keras.simulator import Simulator
+
+        graph = build_graph(model_zoo.shared_layer(), 16)
+        machine = load_machine("v100x4")
+        sim = Simulator(graph, machine)
+        calls = 0
+        propose_many = sim.propose_many
+
+        def counting(changes):  # propose() comes here too
+            nonlocal calls
+            if {"shared", "shared#1"} & set(changes):
+                calls += 1
+                self.assertEqual(sorted(changes), ["shared", "shared#1"])
+                self.assertEqual(len(set(changes.values())), 1)
+            return propose_many(changes)
+
+        sim.propose_many = counting
+        result = search_lib.search(graph, sim, 4, 300, alpha=0.0, seed=1,
+                                   verbose=0)
+        self.assertGreater(calls, 0)
+        self.assertEqual(result.strategy["shared"],
+                         result.strategy["shared#1"])
+        self.assertEqual(result.best_ms,
+                         Simulator(graph, machine).simulate(
+                             result.strategy).step_ms)
+
+    def test_untied_initial_strategy_is_tied(self):
+        import model_zoo
+        from flexflow_keras.machine import load_machine
+        from flexflow_keras.simulator import Simulator
+
+        graph = build_graph(model_zoo.shared_layer(), 16)
+        initial = Strategy.data_parallel(graph, 4).replace(
+            "shared#1", ParallelConfig((1, 1), (2,))
+        )
+        result = search_lib.search(
+            graph, Simulator(graph, load_machine("v100x4")), 4, 0,
+            initial=initial, verbose=0,
+        )
+        self.assertEqual(result.strategy["shared#1"],
+                         result.strategy["shared"])
+
+
 class PropagationTest(unittest.TestCase):
     def test_propagation_only_copies_neighbour_configs(self):
         graph = mlp_graph(batch=8, units=(512, 512, 8), features=512)

@@ -259,6 +259,27 @@ class DeltaTest(unittest.TestCase):
         graph = build_graph(model_zoo.two_input_concat(), 64)
         self.assert_delta_equals_full(graph, "k80x64", 400, 4)
 
+    def test_several_ops_at_once(self):
+        graph = build_graph(model_zoo.transformer_block(), 16)
+        m = load_machine("p100x16")
+        sim, full = Simulator(graph, m), Simulator(graph, m)
+        rng = random.Random(6)
+        strategy = Strategy.data_parallel(graph, m.num_devices)
+        sim.start(strategy)
+        for _ in range(150):
+            changes = {
+                op.name: search_space.random_config(op, m.num_devices, rng)
+                for op in rng.sample(graph.ops, rng.randint(1, 3))
+            }
+            candidate = strategy
+            for name, config in changes.items():
+                candidate = candidate.replace(name, config)
+            self.assertEqual(sim.propose_many(changes),
+                             full.simulate(candidate))
+            if rng.random() < 0.5:
+                sim.accept()
+                strategy = candidate
+
     def test_bounded_piece_cache_stays_exact(self):
         graph, m = build_graph(model_zoo.cnn(), 16), load_machine("p100x16")
         sim, full = Simulator(graph, m), Simulator(graph, m)
