@@ -2,10 +2,10 @@
 
 Part `i` of an op's output is the `i`-th block, row-major over
 `ParallelConfig.dims` (last dim fastest). What a part reads of each input
-follows from the op's SOAP dims: a sample or attribute dim of the output
-maps to the same input dim (scaled when the sizes differ, as for strided
-convolutions and pooling; halos are ignored); every other input dim is
-read whole (e.g. Dense reads all input features for any unit shard).
+is what the DTensor runtime gives it (`split_input_dims`, which the
+runtime's input layouts use too): an input dim split like the same
+output dim where the op then runs on its slice alone, every other input
+dim whole (e.g. Dense reads all input features for any unit shard).
 Used by the cost model (shard shapes) and the simulator (transfers).
 """
 
@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from flexflow_keras.graph import PARAMETER, Op
+from flexflow_keras.graph import ATTRIBUTE, PARAMETER, SAMPLE, Op
 from flexflow_keras.strategy import ParallelConfig
 
 Rect = tuple[tuple[int, int], ...]  # (lo, hi) per dim, hi exclusive
@@ -51,23 +51,59 @@ def intersect(a: Rect, b: Rect) -> Rect | None:
     return tuple(out)
 
 
+# Per-channel ops: a channel slice of the input makes that of the output.
+CHANNELWISE = frozenset({"BatchNormalization"})
+# Ops where only input 0 lines up with the output's attribute dims.
+FIRST_INPUT_ONLY = frozenset({"MultiHeadAttention"})
+# Ops whose spatial dims are never split on the input (no halo exchange).
+NO_INPUT_ATTRIBUTE = frozenset({
+    "Conv1D", "Conv2D", "Conv3D", "DepthwiseConv2D", "SeparableConv2D",
+    "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose",
+})
+
+
+def split_input_dims(
+    op: Op, index: int, in_shape: tuple[int, ...]
+) -> frozenset[int]:
+    """Dims of input `index` split like the same output dim.
+
+    Where the op computes its output slice from the input's matching
+    slice with no communication: the sample dim; an attribute dim of
+    equal size and position (not a convolution's spatial dims, which
+    would need halos; not MultiHeadAttention's key/value); a per-channel
+    op's channel dim. The runtime lays inputs out so, and the simulator
+    moves and costs exactly that.
+    """
+    out = op.output_shape
+    split = set()
+    for d, n in enumerate(in_shape):
+        if d >= len(out) or n != out[d]:
+            continue
+        kind = op.partitionable.get(d)
+        if kind == SAMPLE and d == 0:
+            ok = True
+        elif kind == PARAMETER:
+            ok = op.type in CHANNELWISE and len(in_shape) == len(out)
+        elif kind == ATTRIBUTE:
+            ok = (
+                op.type not in NO_INPUT_ATTRIBUTE
+                and (index == 0 or op.type not in FIRST_INPUT_ONLY)
+                and (len(in_shape) == len(out) or op.type == "Embedding")
+            )
+        else:
+            ok = False
+        if ok:
+            split.add(d)
+    return frozenset(split)
+
+
 def input_region(op: Op, index: int, out_rect: Rect) -> Rect:
     """The part of input `index` that the output part `out_rect` reads."""
     in_shape = op.input_shapes[index]
-    out_shape = op.output_shape
-    region = []
-    for d, n in enumerate(in_shape):
-        kind = op.partitionable.get(d)
-        if d >= len(out_shape) or kind is None or kind == PARAMETER:
-            region.append((0, n))
-            continue
-        lo, hi = out_rect[d]
-        m = out_shape[d]
-        if n == m:
-            region.append((lo, hi))
-        else:
-            region.append((lo * n // m, max(-(-hi * n // m), lo * n // m + 1)))
-    return tuple(region)
+    split = split_input_dims(op, index, in_shape)
+    return tuple(
+        out_rect[d] if d in split else (0, n) for d, n in enumerate(in_shape)
+    )
 
 
 def tensor_rects(

@@ -19,19 +19,10 @@ from typing import Any
 import numpy as np
 from tensorflow.experimental import dtensor
 
-from flexflow_keras.graph import ATTRIBUTE, PARAMETER, Op, OpGraph
+from flexflow_keras import partition
+from flexflow_keras.graph import Op, OpGraph
 
 UNSHARDED = dtensor.UNSHARDED
-# Ops whose input channel is the output channel (per-channel arithmetic), so
-# a parameter split may shard the input's channel dim too.
-_CHANNELWISE = {"BatchNormalization"}
-# Ops where only input 0 lines up with the output's attribute dims.
-_FIRST_INPUT_ONLY = {"MultiHeadAttention"}
-# Ops whose spatial dims must never be sharded on the input (halo).
-_NO_INPUT_ATTRIBUTE = {
-    "Conv1D", "Conv2D", "Conv3D", "DepthwiseConv2D", "SeparableConv2D",
-    "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose",
-}
 
 
 def mesh_shape(dims: tuple[int, ...]) -> tuple[int, ...]:
@@ -131,31 +122,15 @@ class OpPlan:
     ):
         """Layout an input is moved to before the op runs.
 
-        Sample: batch split like the output. Attribute: split like the
-        output where the input has the same dim. Parameter: only for
-        per-channel ops. DTensor computes correctly for any layout; these
-        choices keep the op local.
+        Split like the output on `partition.split_input_dims` (where the
+        op then runs on its slice alone), which is also what the
+        simulator moves; replicated elsewhere. DTensor computes correctly
+        for any layout; these choices keep the op local.
         """
-        op = self.op
-        out = op.output_shape
+        split = partition.split_input_dims(self.op, position, shape)
         specs = [UNSHARDED] * len(shape)
         for dim, axis in self.axes.items():
-            if dim >= len(shape) or shape[dim] != out[dim]:
-                continue
-            kind = op.partitionable.get(dim)
-            if dim == 0:
-                ok = sharded_batch
-            elif kind == PARAMETER:
-                ok = op.type in _CHANNELWISE and len(shape) == len(out)
-            elif kind == ATTRIBUTE:
-                ok = (
-                    op.type not in _NO_INPUT_ATTRIBUTE
-                    and (position == 0 or op.type not in _FIRST_INPUT_ONLY)
-                    and (len(shape) == len(out) or op.type == "Embedding")
-                )
-            else:
-                ok = False
-            if ok:
+            if dim in split and (dim != 0 or sharded_batch):
                 specs[dim] = axis
         return dtensor.Layout(specs, self.mesh)
 
