@@ -18,7 +18,18 @@ from flexflow_keras.models import Model, Sequential  # noqa: E402
 from flexflow_keras.strategy import ParallelConfig, Strategy  # noqa: E402
 
 _namespace.mirror(
-    globals(), __name__, own={"Model", "Sequential", "models"}
+    globals(), __name__,
+    own={"Model", "Sequential", "models", "applications", "saving"},
+)
+# Model builders and loaders return our models (weights and layers kept).
+_namespace.mirror_with(
+    globals(), __name__, "applications",
+    lambda name, value: _namespace.returning(models.as_flexflow_model)(value)
+    if callable(value) and name[:1].isupper() else value,
+)
+_namespace.mirror_with(
+    globals(), __name__, "saving",
+    lambda name, value: models.load_model if name == "load_model" else value,
 )
 
 __version__ = "0.1.0"

@@ -2,11 +2,14 @@
 
 Why: `import flexflow_keras as keras` must keep every `keras.X` and
 `import keras.X.Y` of an existing script working with the same meaning,
-while `Model`, `Sequential` and `models` are ours.
+while `Model`, `Sequential` and `models` are ours, and what builds or
+loads a model (`applications`, `saving.load_model`) returns ours.
 """
 
+import functools
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 # Keras submodules that are not public API.
@@ -47,3 +50,62 @@ def _alias_modules(module: types.ModuleType, alias: str) -> None:
             module.__name__ + "."
         ):
             _alias_modules(value, f"{alias}.{name}")
+
+
+def mirror_with(
+    namespace: dict[str, Any], package: str, name: str,
+    replace: Callable[[str, Any], Any],
+) -> None:
+    """Mirrors keras.`name` as a module tree of our own, in which each
+    public value is `replace(value_name, value)`.
+
+    Why: `keras.applications.ResNet50()` and `keras.saving.load_model()`
+    return plain Keras models, which would train unparallelized. A value
+    reached by several paths (`applications.VGG16`,
+    `applications.vgg16.VGG16`) is replaced once, so both are one object.
+    """
+    import keras
+
+    memo: dict[int, tuple[Any, Any]] = {}  # one replacement per value
+
+    def replace_once(value_name: str, value: Any) -> Any:
+        if id(value) not in memo:  # the value is kept alive in memo
+            memo[id(value)] = (value, replace(value_name, value))
+        return memo[id(value)][1]
+
+    namespace[name] = _copy_module(
+        getattr(keras, name), f"{package}.{name}", replace_once
+    )
+
+
+def _copy_module(
+    module: types.ModuleType, alias: str, replace: Callable[[str, Any], Any]
+) -> types.ModuleType:
+    copy = sys.modules.get(alias)
+    if copy is not None:
+        return copy
+    copy = types.ModuleType(alias, module.__doc__)
+    sys.modules[alias] = copy
+    for name in public_names(module):
+        value = getattr(module, name)
+        if isinstance(value, types.ModuleType) and value.__name__.startswith(
+            module.__name__ + "."
+        ):
+            value = _copy_module(value, f"{alias}.{name}", replace)
+        else:
+            value = replace(name, value)
+        setattr(copy, name, value)
+    return copy
+
+
+def returning(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A decorator: the function, with `convert` applied to its result."""
+
+    def decorate(function: Any) -> Any:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return convert(function(*args, **kwargs))
+
+        return wrapper
+
+    return decorate

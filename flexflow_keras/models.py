@@ -109,6 +109,13 @@ class _PlanningModel(StrategyTrainer):
             return int(batches.pop())
         return None
 
+    def _strategy_failed(self, reason: str) -> None:
+        # For good: later fits must not attach a strategy again.
+        self._ff_runtime_failure = reason
+        self._ff_warned_plain = True
+        self._ff_plan = None
+        super()._strategy_failed(reason)
+
     def _ensure_plan(self, batch_size: int) -> None:
         """Plans for `batch_size` once, then attaches it to the runtime."""
         from flexflow_keras import planner, runtime
@@ -136,6 +143,9 @@ def _why_plain_keras(model: Any) -> str | None:
     from flexflow_keras import runtime
     from flexflow_keras.graph import has_graph
 
+    failure = getattr(model, "_ff_runtime_failure", None)
+    if failure is not None:
+        return failure
     if not has_graph(model):
         return (
             f"Model '{model.name}' is a subclassed model with no graph of "
@@ -283,6 +293,18 @@ def _keras_names_load_as_ours() -> Iterator[None]:
                 table.pop(name, None)
             else:
                 table[name] = obj
+
+
+def as_flexflow_model(model: Any) -> Any:
+    """`model` as our Model: the same layers and weights in a Functional
+    of our class (a plain Keras functional model, e.g. from
+    `keras.applications`); anything else unchanged."""
+    if isinstance(model, _PlanningModel) or not isinstance(
+        model, KerasFunctional
+    ):
+        return model
+    return Model(model._inputs_struct, model._outputs_struct,
+                 name=model.name, trainable=model.trainable)
 
 
 def load_model(

@@ -285,6 +285,67 @@ class PlainKerasFallbackTest(unittest.TestCase):
             np.testing.assert_array_equal(a, b)
         self.assertEqual(model.losses, [])
 
+    def test_layers_dtensor_cannot_train(self):
+        cases = {
+            "DepthwiseConv2D": ((6, 6, 2), lambda: layers.DepthwiseConv2D(
+                3, padding="same", name="probe")),
+            "SeparableConv1D": ((6, 2), lambda: layers.SeparableConv1D(
+                2, 3, padding="same", name="probe")),
+            "dilated convolution": ((6, 2), lambda: layers.Conv1D(
+                2, 3, dilation_rate=2, padding="same", name="probe")),
+            "Bidirectional": ((6, 2), lambda: layers.Bidirectional(
+                layers.LSTM(2, return_sequences=True), name="probe")),
+        }
+        rng = np.random.default_rng(0)
+        for kind, (shape, make) in cases.items():
+            with self.subTest(kind):
+                inputs = keras.Input(shape)
+                h = layers.Flatten()(make()(inputs))
+                model = Model(inputs, layers.Dense(4)(h))
+                model.compile("sgd", "mse", search_budget=0)
+                x = rng.random((32,) + shape, dtype=np.float32)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    model.fit(x, np.zeros((32, 4)), batch_size=16,
+                              verbose=0)
+                text = " ".join(str(w.message) for w in caught)
+                self.assertIn("layer 'probe' is", text)
+                self.assertIn(kind, text)
+                self.assertIsNone(model.strategy)
+
+    def test_op_without_dtensor_rule_hands_over_to_keras(self):
+        def build(cls):
+            keras.utils.set_random_seed(3)
+            inputs = keras.Input((6, 4))
+            h = layers.Dense(4, name="pre")(inputs)
+            h = layers.Lambda(lambda t: keras.ops.flip(t, axis=1),
+                              name="flip")(h)
+            return cls(inputs, layers.Dense(2)(layers.Flatten()(h)))
+
+        model, plain = build(Model), build(keras.Model)
+        model.compile("adam", "mse", search_budget=0)
+        plain.compile("adam", "mse")
+        rng = np.random.default_rng(0)
+        x = rng.random((32, 6, 4), dtype=np.float32)
+        y = rng.random((32, 2), dtype=np.float32)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+            again = model.fit(x, y, batch_size=16, verbose=0)
+        texts = [str(w.message) for w in caught
+                 if "from now on" in str(w.message)]
+        self.assertEqual(len(texts), 1, texts)
+        self.assertIn("no layout rule for its 'ReverseV2' op", texts[0])
+        self.assertIsNone(model.strategy)
+        expected = plain.fit(x, y, batch_size=16, epochs=2, verbose=0)
+        np.testing.assert_allclose(history.history["loss"],
+                                   expected.history["loss"], rtol=1e-6)
+        np.testing.assert_allclose(
+            again.history["loss"],
+            plain.fit(x, y, batch_size=16, verbose=0).history["loss"],
+            rtol=1e-6,
+        )
+
     def test_unsupported_optimizer(self):
         text = self.fit_and_warnings(small_mlp(), keras.optimizers.Nadam())
         self.assertIn("optimizer is not supported", text)

@@ -61,10 +61,19 @@ class NamespaceTest(unittest.TestCase):
 
     def test_submodules_import_by_dotted_path(self):
         for name in ("layers", "ops", "optimizers", "callbacks", "utils",
-                     "applications", "saving", "random", "backend"):
+                     "random", "backend"):
             module = importlib.import_module(f"flexflow_keras.{name}")
             self.assertIs(module, getattr(keras, name))
         from flexflow_keras.layers import Dense  # noqa: F401
+        # Ours, model builders and loaders aside (see ModelBuildersTest).
+        for name in ("applications", "applications.resnet50", "saving"):
+            module = importlib.import_module(f"flexflow_keras.{name}")
+            self.assertIsNot(module, importlib.import_module(f"keras.{name}"))
+        from flexflow_keras.applications.resnet50 import (  # noqa: F401
+            ResNet50, preprocess_input,
+        )
+        self.assertIs(preprocess_input,
+                      keras.applications.resnet50.preprocess_input)
 
     def test_model_classes_subclass_keras(self):
         inputs = keras.Input((3,))
@@ -75,6 +84,41 @@ class NamespaceTest(unittest.TestCase):
         self.assertIsInstance(seq, keras.Sequential)
         self.assertIs(flexflow_keras.models.Model, Model)
         self.assertIs(flexflow_keras.Model, Model)
+
+
+class ModelBuildersTest(unittest.TestCase):
+    """`keras.applications` and `keras.saving.load_model` give our models,
+    so a script that builds its network from them is parallelized too."""
+
+    def test_application_is_ours_with_the_same_layers(self):
+        build = flexflow_keras.applications.VGG16
+        self.assertEqual(build.__name__, "VGG16")
+        plain = keras.applications.VGG16(input_shape=(32, 32, 3),
+                                         weights=None, classes=4)
+        model = build(input_shape=(32, 32, 3), weights=None, classes=4)
+        self.assertIsInstance(model, Model)
+        self.assertEqual(model.name, "vgg16")
+        self.assertEqual(model.count_params(), plain.count_params())
+        model.compile("sgd", "sparse_categorical_crossentropy",
+                      search_budget=0)
+        rng = np.random.default_rng(0)
+        x = rng.random((16, 32, 32, 3), dtype=np.float32)
+        model.fit(x, rng.integers(0, 4, 16), batch_size=8, verbose=0)
+        self.assertIsNotNone(model.strategy)
+        self.assertEqual(model.strategy["block1_conv1"].dims, (4, 1, 1, 1))
+        self.assertIs(flexflow_keras.applications.vgg16.VGG16, build)
+
+    def test_saving_load_model_is_ours(self):
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "m.keras")
+            inputs = keras.Input((3,))
+            keras.Model(inputs, keras.layers.Dense(2)(inputs)).save(path)
+            loaded = flexflow_keras.saving.load_model(path)
+        self.assertIsInstance(loaded, Model)
+        self.assertIs(flexflow_keras.saving.load_model,
+                      flexflow_keras.models.load_model)
+        self.assertIs(flexflow_keras.saving.save_model,
+                      keras.saving.save_model)
 
 
 class SaveLoadTest(unittest.TestCase):

@@ -11,6 +11,7 @@ as in Keras.
 """
 
 import contextlib
+import re
 from typing import Any
 
 import keras
@@ -130,6 +131,7 @@ class Executor:
         self.single_device = _single_device(strategy, device_names)
         self.updater = None
         self.dirty = False  # DVariables newer than the Keras variables
+        self.updated = False  # some weights took the running train step
         self._fns: dict[tuple, Any] = {}
         self.fused = len(self.segments) == 1 and len(graph.outputs) == 1
         if self.single_device is not None:
@@ -395,6 +397,7 @@ class Executor:
                 self.model.optimizer, self.store, self.trainable,
                 self.model.trainable_variables,
             )
+        self.updated = False
         x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
         flat_x = self._flat_inputs(x)
         variant = self._variant(int(flat_x[0].shape[0]))
@@ -436,6 +439,7 @@ class Executor:
             in_grads = self._fn("backward", i, *variant)(
                 seg_inputs[i], out_grads, self._hyper(seg.mesh)
             )
+            self.updated = True  # this segment's weights took the step
             for t, g in zip(seg.inputs, in_grads):
                 if g is None or t in self.graph.inputs:
                     continue
@@ -461,7 +465,12 @@ class Executor:
 
     def make_function(self, kind: str):
         """`train_function(iterator)` / `test_function(iterator)` /
-        `predict_function(data)` with the contract of Keras's TF trainer."""
+        `predict_function(data)` with the contract of Keras's TF trainer.
+
+        A TensorFlow op with no DTensor rule (found only when a step is
+        first traced) hands the model back to plain Keras mid-call (see
+        `_fall_back`), so training goes on with the same values.
+        """
         model = self.model
 
         if kind == "predict":
@@ -472,7 +481,10 @@ class Executor:
                     x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(
                         batch
                     )
-                    out = self.predict_batch(x)
+                    try:
+                        out = self.predict_batch(x)
+                    except tf.errors.OpError as error:
+                        return self._fall_back(kind, error, data)
                     if outputs is None:
                         outputs = out
                     else:
@@ -494,7 +506,49 @@ class Executor:
                     if logs is None:
                         raise StopIteration
                     break
-                logs = step(data)
+                try:
+                    logs = step(data)
+                except tf.errors.OpError as error:
+                    return self._fall_back(kind, error, iter([data]))
             return logs
 
         return function
+
+    def _fall_back(self, kind: str, error: Exception, data: Any) -> Any:
+        """Plain Keras from now on, starting with `data`, if `error` is
+        DTensor lacking a rule for some op; else re-raises it.
+
+        Why here: which TensorFlow ops a model's step uses is known only
+        when it is traced. No value was changed by the failed step, and
+        detaching copies out what earlier steps trained (weights and
+        optimizer slots), so Keras goes on from exactly there.
+        """
+        found = _NO_DTENSOR_RULE.search(str(error))
+        if found is None:
+            raise error
+        model = self.model
+        if kind == "train" and self.updated:
+            # Later segments already applied this step: redoing it in
+            # Keras would apply it twice to them.
+            raise RuntimeError(
+                f"TensorFlow's DTensor has no layout rule for the "
+                f"'{found.group(1)}' op of model '{model.name}', found "
+                "half-way through a training step under a strategy with "
+                "several device meshes, so the step cannot be redone in "
+                "plain Keras. Train this model with plain `keras`, or with "
+                "`compile(search_budget=0)` (one mesh)."
+            ) from error
+        model._strategy_failed(
+            f"Model '{model.name}' trains as plain Keras on one device "
+            f"from now on: TensorFlow's DTensor has no layout rule for "
+            f"its '{found.group(1)}' op, so no parallel strategy can run "
+            "it. Results are those of plain Keras."
+        )
+        getattr(model, f"make_{kind}_function")(force=True)
+        return getattr(model, f"{kind}_function")(data)
+
+
+# What TensorFlow 2.21's DTensor says when an op has no SPMD rule.
+_NO_DTENSOR_RULE = re.compile(
+    r"'(?:tf\.)?(\w+)' op does not implement layout propagation"
+)

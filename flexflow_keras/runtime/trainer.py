@@ -15,6 +15,7 @@ EarlyStopping's restore take effect). Per-batch callbacks that read
 variables directly see the values of the last epoch end.
 """
 
+import warnings
 from typing import Any
 
 import keras
@@ -93,6 +94,12 @@ class StrategyTrainer:
         attach_strategy(self, graph, strategy)
 
     def _detach_strategy(self) -> None:
+        detach_strategy(self)
+
+    def _strategy_failed(self, reason: str) -> None:
+        """The strategy cannot run on TensorFlow: says `reason` and trains
+        as plain Keras from here on, with the values trained so far."""
+        warnings.warn(reason, stacklevel=2)
         detach_strategy(self)
 
     @property
