@@ -14,7 +14,6 @@ from typing import Any
 
 import keras
 import numpy as np
-from keras.models import clone_model, model_from_json  # noqa: F401
 from keras.models import save_model  # noqa: F401
 from keras.src import api_export
 from keras.src.models.functional import Functional as KerasFunctional
@@ -305,6 +304,27 @@ def as_flexflow_model(model: Any) -> Any:
         return model
     return Model(model._inputs_struct, model._outputs_struct,
                  name=model.name, trainable=model.trainable)
+
+
+def clone_model(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """`keras.models.clone_model`, returning flexflow_keras models."""
+    clone = keras.models.clone_model(model, *args, **kwargs)
+    if isinstance(clone, keras.Sequential) and not isinstance(
+        clone, Sequential
+    ):
+        ours = Sequential(name=clone.name, trainable=clone.trainable)
+        for layer in clone._layers:  # the InputLayer first, if any
+            ours.add(layer)
+        return ours
+    return as_flexflow_model(clone)
+
+
+def model_from_json(json_string: str, custom_objects: dict | None = None):
+    """`keras.models.model_from_json`, returning flexflow_keras models."""
+    objects = {"Functional": Model}
+    objects.update(custom_objects or {})
+    with _keras_names_load_as_ours():
+        return keras.models.model_from_json(json_string, objects)
 
 
 def load_model(

@@ -121,6 +121,27 @@ class ModelBuildersTest(unittest.TestCase):
                       keras.saving.save_model)
 
 
+class CloneAndJsonTest(unittest.TestCase):
+    def test_clones_and_json_models_are_ours(self):
+        inputs = keras.Input((3,))
+        model = Model(inputs, layers.Dense(2)(inputs))
+        seq = Sequential([keras.Input((3,)), layers.Dense(2)], name="s")
+        for original in (model, seq, keras.Model(model.inputs,
+                                                 model.outputs)):
+            clone = flexflow_keras.models.clone_model(original)
+            self.assertIsInstance(clone, (Model, Sequential))
+            self.assertEqual(clone.input_shape, (None, 3))
+            self.assertIsNot(clone.layers[-1], original.layers[-1])
+        self.assertIsInstance(flexflow_keras.models.clone_model(seq),
+                              Sequential)
+        self.assertEqual(flexflow_keras.models.clone_model(seq).name, "s")
+        loaded = flexflow_keras.models.model_from_json(model.to_json())
+        self.assertIsInstance(loaded, Model)
+        self.assertNotIsInstance(
+            keras.models.model_from_json(model.to_json()), Model
+        )
+
+
 class SaveLoadTest(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.TemporaryDirectory()
