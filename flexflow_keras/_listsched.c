@@ -161,6 +161,16 @@ static PyObject *resources(PyObject *resm, Py_ssize_t t,
     return rs;
 }
 
+/* 1 with an IndexError if a task's one resource `r` (or -1, -2 - riders)
+ * is past the last resource. */
+static int bad_resource(long long r, Py_ssize_t num_resources)
+{
+    if (r < num_resources)
+        return 0;
+    PyErr_Format(PyExc_IndexError, "resource %lld of %zd", r, num_resources);
+    return 1;
+}
+
 #define RES(rs, k) PyLong_AsSsize_t(PyTuple_GET_ITEM((rs), (k)))
 
 #define FAIL_IF(cond)  \
@@ -238,11 +248,7 @@ static PyObject *schedule(PyObject *self, PyObject *args)
         double e = end[t];
         count[t] = -1; /* popped: not queued again below */
         long long r = res1[t];
-        if (r >= num_resources) {
-            PyErr_Format(PyExc_IndexError, "resource %lld of %zd", r,
-                         num_resources);
-            goto fail;
-        }
+        FAIL_IF(bad_resource(r, num_resources));
         if (r >= 0) {
             free[r] = e;
         } else {
@@ -280,11 +286,7 @@ static PyObject *schedule(PyObject *self, PyObject *args)
         Py_ssize_t t = heap.keys[0].task;
         double s = heap.keys[0].ready, e;
         long long r = res1[t];
-        if (r >= num_resources) {
-            PyErr_Format(PyExc_IndexError, "resource %lld of %zd", r,
-                         num_resources);
-            goto fail;
-        }
+        FAIL_IF(bad_resource(r, num_resources));
         if (r >= 0) {
             double f = free[r];
             e = (f > s ? f : s) + dur[t];
