@@ -7,6 +7,7 @@ single-op proposals from the search space, accepted by the Metropolis
 rule of the MCMC search (FlexFlow's, alpha = 0.05 per ms).
 
 Usage: python bench/simulator_bench.py [--seconds S] [--check N]
+       [--skip-inception] [--python-loop]
 """
 
 import argparse
@@ -173,9 +174,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--check", type=int, default=200)
     parser.add_argument("--skip-inception", action="store_true")
+    parser.add_argument("--python-loop", action="store_true",
+                        help="schedule in Python even if the C loop is built")
     args = parser.parse_args()
+    if args.python_loop:
+        schedule._listsched = None
     print("list scheduling in",
-          "Python (flexflow_keras._listsched not built)"
+          "Python (flexflow_keras._listsched not built, or --python-loop)"
           if schedule._listsched is None else "C (flexflow_keras._listsched)")
     bench("DLRM on v100x4", dlrm_graph(), "v100x4", args.seconds,
           args.check)

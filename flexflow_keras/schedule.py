@@ -20,9 +20,9 @@ Riders (`Piece.riders`): tasks that would pop right after a leader and
 wake nothing take no queue entry of their own; `_ride` runs them with it.
 
 The loop runs in C (`_listsched.c`, built by setup.py where a compiler
-is) over the same typed arrays, making the same schedule bit for bit
-(tested); without it, `_python_schedule` runs, about 4x slower on a
-search walk.
+is) over typed arrays, making the same schedule bit for bit (tested);
+without it, `_python_schedule` runs over lists, about 4x slower on an
+InceptionV3 search walk.
 """
 
 import bisect
@@ -266,12 +266,16 @@ class Compiled:
 
 
 class Schedule:
-    """End times (ms) per task id, the pop order, and the makespan."""
+    """End times (ms) per task id, the pop order, and the makespan.
+
+    Per-task state is in arrays for the C loop, lists for the Python one
+    (see `_zeros`); either reads the same by index.
+    """
 
     def __init__(self):
-        self.end = array("d")
-        self.order = array("q")  # task ids in pop order
-        self.ready = array("d")  # ready time per task id
+        self.end: array | list = _zeros("d", 0)
+        self.order: array | list = _zeros("q", 0)  # task ids, pop order
+        self.ready: array | list = _zeros("d", 0)  # ready time per id
         self.step_ms = 0.0
         self.num_resources = 0
         self.restart_pops = 0  # pops kept from the previous run
@@ -353,7 +357,12 @@ class Schedule:
         return k
 
 
-def _zeros(typecode: str, n: int) -> array:
+def _zeros(typecode: str, n: int) -> array | list:
+    """Zeros for the schedule's per-task state: an array the C loop
+    writes in place, or a list for the Python loop (CPython indexes
+    lists faster: ~30% of a small graph's delta simulation)."""
+    if _listsched is None:
+        return [0.0] * n if typecode == "d" else [0] * n
     return array(typecode, bytes(8 * n))
 
 
@@ -383,15 +392,14 @@ def _schedule(g: Compiled, out: Schedule, kept: int) -> None:
 
 
 def _python_schedule(
-    g: Compiled, end: array, ready: array, order: array,
-    num_resources: int,
+    g: Compiled, end: list, ready: list, order: list, num_resources: int
 ) -> float:
-    """`_schedule` in Python, in place (`order` grows from the kept
-    pops): the reference the compiled one must equal. Returns the
-    makespan."""
-    count = g.npred[:]
+    """`_schedule` in Python over lists, in place (`order` grows from
+    the kept pops): the reference the compiled one must equal. Returns
+    the makespan."""
+    count = g.npred.tolist()
     free = [0.0] * num_resources
-    res1, resm, succ = g.res1, g.resm, g.succ
+    res1, resm, succ = g.res1.tolist(), g.resm, g.succ
     woken = list(g.sources)
     for t in order:
         e = end[t]
@@ -401,8 +409,7 @@ def _python_schedule(
             free[r] = e
         else:
             if r < -1:  # riders (next pops) share the leader's ready
-                for v in range(t + 1, t - 1 - r):
-                    ready[v] = ready[t]
+                ready[t + 1:t - 1 - r] = [ready[t]] * (-2 - r)
             for r in resm[t]:
                 free[r] = e
         for u in succ[t]:
@@ -427,11 +434,11 @@ def _python_schedule(
 
 def _python_loop(
     g: Compiled,
-    end: array,
-    order: array,
+    end: list[float],
+    order: list[int],
     heap: list,
-    count: array,
-    ready: array,
+    count: list[int],
+    ready: list[float],
     free: list[float],
 ) -> None:
     """Pops tasks until none is left.
@@ -440,7 +447,8 @@ def _python_loop(
     first woken successor replaces it (one sift instead of a pop and a
     push). Keys are unique, so the pop sequence is the same.
     """
-    dur, res1, resm, prio, succ = g.dur, g.res1, g.resm, g.prio, g.succ
+    dur, res1, prio = g.dur.tolist(), g.res1.tolist(), g.prio.tolist()
+    resm, succ = g.resm, g.succ
     add_order = order.append
     pop, push = heapq.heappop, heapq.heappush
     replace = heapq.heapreplace
@@ -479,8 +487,9 @@ def _python_loop(
 
 
 def _ride(
-    t: int, riders: int, s: float, dur: array, resm: list[tuple],
-    end: array, order: array, ready: array, free: list[float],
+    t: int, riders: int, s: float, dur: list[float], resm: list[tuple],
+    end: list[float], order: list[int], ready: list[float],
+    free: list[float],
 ) -> None:
     """Runs leader `t` (ready at `s`) and its riders, one device each.
 

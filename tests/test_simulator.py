@@ -370,9 +370,9 @@ class CompiledSchedulerTest(unittest.TestCase):
         self.assertEqual(len(compiled), len(python))
         for c, p in zip(compiled, python):
             self.assertEqual(c.step_ms, p.step_ms)  # bitwise, not close
-            self.assertEqual(c.order, p.order)
-            self.assertEqual(c.end, p.end)
-            self.assertEqual(c.ready, p.ready)
+            self.assertEqual(list(c.order), list(p.order))
+            self.assertEqual(list(c.end), list(p.end))
+            self.assertEqual(list(c.ready), list(p.ready))
             self.assertEqual(c.restart_pops, p.restart_pops)
 
     def test_cnn_on_p100x16(self):
