@@ -346,6 +346,35 @@ class PlainKerasFallbackTest(unittest.TestCase):
             rtol=1e-6,
         )
 
+    def test_predict_and_evaluate_hand_over_too(self):
+        def build(cls):
+            keras.utils.set_random_seed(4)
+            inputs = keras.Input((6, 4))
+            h = layers.Lambda(lambda t: keras.ops.flip(t, axis=1))(inputs)
+            return cls(inputs, layers.Dense(2)(layers.Flatten()(h)))
+
+        x = np.random.default_rng(1).random((20, 6, 4), dtype=np.float32)
+        y = np.zeros((20, 2), np.float32)
+        for first in ("predict", "evaluate"):
+            with self.subTest(first=first):
+                model, plain = build(Model), build(keras.Model)
+                model.compile("sgd", "mse", batch_size=8, search_budget=0)
+                plain.compile("sgd", "mse")
+                self.assertIsNotNone(model.strategy)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    if first == "predict":
+                        got = model.predict(x, batch_size=8, verbose=0)
+                        want = plain.predict(x, batch_size=8, verbose=0)
+                    else:
+                        got = model.evaluate(x, y, batch_size=8, verbose=0)
+                        want = plain.evaluate(x, y, batch_size=8,
+                                              verbose=0)
+                self.assertTrue(any("ReverseV2" in str(w.message)
+                                    for w in caught))
+                np.testing.assert_allclose(got, want, rtol=1e-6)
+                self.assertIsNone(model.strategy)
+
     def test_unsupported_optimizer(self):
         text = self.fit_and_warnings(small_mlp(), keras.optimizers.Nadam())
         self.assertIn("optimizer is not supported", text)
