@@ -13,10 +13,11 @@ from flexflow_keras.graph import OpGraph, build_graph
 from flexflow_keras.settings import Settings
 from flexflow_keras.strategy import Strategy
 
-# Optimizer state per weight element, for the simulator's memory figures.
+# Optimizer state per weight element, for the simulator's memory figures,
+# of the optimizers the runtime does not run (it names its own slots).
 _SLOTS = {
-    "SGD": 0, "Adam": 2, "AdamW": 2, "Adamax": 2, "Nadam": 2, "Adadelta": 2,
-    "Ftrl": 2, "RMSprop": 1, "Adagrad": 1, "Lion": 1, "Lamb": 2, "Muon": 1,
+    "Adamax": 2, "Nadam": 2, "Adadelta": 2, "Ftrl": 2, "Lion": 1,
+    "Lamb": 2, "Muon": 1,
 }
 
 
@@ -46,14 +47,12 @@ class Plan:
 
 def optimizer_slots(optimizer: Any) -> int:
     """Optimizer slot variables per weight (0 for plain SGD)."""
+    from flexflow_keras.runtime import optimizers
+
     name = type(optimizer).__name__
-    slots = _SLOTS.get(name, 2)
-    if name == "SGD" and getattr(optimizer, "momentum", 0):
-        slots = 1
-    if name == "RMSprop":
-        slots += bool(getattr(optimizer, "momentum", 0))
-        slots += bool(getattr(optimizer, "centered", False))
-    return slots
+    if name in optimizers.SUPPORTED:
+        return len(optimizers.slot_names(optimizer))
+    return _SLOTS.get(name, 2)
 
 
 def make_plan(

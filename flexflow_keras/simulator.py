@@ -64,7 +64,8 @@ class Simulator:
         cost_model: Op costs; None: measured for a live machine,
             analytic otherwise.
         optimizer_slots: Variables per weight the optimizer keeps: 0 for
-            SGD, 1 for momentum, 2 for Adam.
+            SGD, 1 for momentum, 2 for Adam, 3 for AMSGrad or centered
+            RMSprop with momentum.
     """
 
     def __init__(
@@ -74,10 +75,11 @@ class Simulator:
         cost_model: CostModel | None = None,
         optimizer_slots: int = 0,
     ):
-        if optimizer_slots not in (0, 1, 2):
+        if not isinstance(optimizer_slots, int) or optimizer_slots < 0:
             raise ValueError(
-                "`optimizer_slots` must be 0 (SGD), 1 (momentum) or 2 "
-                f"(Adam). Received: optimizer_slots={optimizer_slots}"
+                "`optimizer_slots` must be an int >= 0 (0 for SGD, 1 for "
+                "momentum, 2 for Adam). Received: "
+                f"optimizer_slots={optimizer_slots!r}"
             )
         self.graph, self.machine = graph, machine
         self.cost = cost_model or CostModel(machine)

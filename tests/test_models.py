@@ -120,6 +120,26 @@ class CompilePlanTest(unittest.TestCase):
              str(w.message)]
         )
 
+    def test_every_supported_optimizer_plans_with_its_slots(self):
+        from flexflow_keras import planner
+
+        cases = [
+            (keras.optimizers.SGD(), 0),
+            (keras.optimizers.SGD(momentum=0.9), 1),
+            (keras.optimizers.Adam(), 2),
+            (keras.optimizers.AdamW(amsgrad=True), 3),
+            (keras.optimizers.RMSprop(), 1),
+            (keras.optimizers.RMSprop(momentum=0.9, centered=True), 3),
+            (keras.optimizers.Adagrad(), 1),
+            (keras.optimizers.Nadam(), 2),  # trains as plain Keras
+        ]
+        for optimizer, slots in cases:
+            with self.subTest(optimizer=type(optimizer).__name__):
+                self.assertEqual(planner.optimizer_slots(optimizer), slots)
+        model = small_mlp()
+        model.compile(cases[5][0], "mse", batch_size=16, search_budget=10)
+        self.assertIsNotNone(model.strategy)
+
     def test_summary_lists_each_op_config(self):
         model = small_mlp()
         model.compile("sgd", "mse", batch_size=16, search_budget=0)

@@ -182,6 +182,12 @@ class MemoryTest(unittest.TestCase):
         self.assertEqual(self.memory(one, 2)[0], 4 * 11048 + 2368)
         self.assertEqual(self.memory(one, 2)[1:], (0, 0, 0))
 
+    def test_three_slots_and_a_bad_count(self):
+        one = place(self.graph, {"dense_0": 0, "logits": 0})
+        self.assertEqual(self.memory(one, 3)[0], 5 * 11048 + 2368)
+        with self.assertRaisesRegex(ValueError, "optimizer_slots=-1"):
+            Simulator(self.graph, self.m, optimizer_slots=-1)
+
     def test_mlp_data_parallel_replicates_weights(self):
         dp = Strategy.data_parallel(self.graph, 2)
         self.assertEqual(self.memory(dp, 1)[:2], (3 * 11048 + 1184,) * 2)

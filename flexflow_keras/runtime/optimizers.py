@@ -43,7 +43,8 @@ def check_supported(optimizer: Any) -> None:
         )
 
 
-def _slot_names(optimizer: Any) -> tuple[str, ...]:
+def slot_names(optimizer: Any) -> tuple[str, ...]:
+    """Slot variables per weight of a supported optimizer, by name."""
     name = type(optimizer).__name__
     if name == "SGD":
         return ("momentum",) if optimizer.momentum != 0 else ()
@@ -103,7 +104,7 @@ class Updater:
             dvar = store.dvariable(var)
             layout = store.layout(var)
             slots = {}
-            for name in _slot_names(optimizer):
+            for name in slot_names(optimizer):
                 init = 0.0
                 if self.kind == "Adagrad":
                     init = optimizer.initial_accumulator_value
