@@ -61,9 +61,7 @@ def unsupported_features(model: Any) -> list[str]:
         ]
         if regularizers:
             reasons.append(f"{name} has {', '.join(sorted(regularizers))}")
-        if getattr(layer, "mask_zero", False) or type(layer).__name__ in (
-            "Masking",
-        ):
+        if getattr(layer, "mask_zero", False) or kind == "Masking":
             reasons.append(f"{name} produces a mask")
         policy = getattr(layer, "dtype_policy", None)
         if policy is not None and (

@@ -9,8 +9,8 @@ Weight sync (decided): the DVariables hold the truth while training. They
 are copied into the Keras variables at every epoch end (before any other
 callback's `on_epoch_end`, so ModelCheckpoint and custom callbacks see the
 trained values), after `fit`, and before `get_weights`, `save` and
-`save_weights`. Keras values are copied in at the start of `fit`, of each
-epoch, of `evaluate` and `predict` (so `set_weights`, `load_weights` and
+`save_weights`. Keras values are copied in at the start of each epoch, of
+`evaluate` and `predict` (so `set_weights`, `load_weights` and
 EarlyStopping's restore take effect). Per-batch callbacks that read
 variables directly see the values of the last epoch end.
 """
@@ -90,12 +90,6 @@ class StrategyTrainer:
 
     _ff_executor = None
 
-    def _attach_strategy(self, graph: Any, strategy: Any) -> None:
-        attach_strategy(self, graph, strategy)
-
-    def _detach_strategy(self) -> None:
-        detach_strategy(self)
-
     def _strategy_failed(self, reason: str) -> None:
         """The strategy cannot run on TensorFlow: says `reason` and trains
         as plain Keras from here on, with the values trained so far."""
@@ -141,11 +135,6 @@ class StrategyTrainer:
         return self._strategy_function(
             "predict", super().make_predict_function, force
         )
-        if self.predict_function is None or force:
-            self.predict_function = self._ff_executor.make_function(
-                "predict"
-            )
-        return self.predict_function
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1,
             verbose="auto", callbacks=None, **kwargs):
@@ -159,8 +148,7 @@ class StrategyTrainer:
             sync.set_model(self)
         else:
             callbacks = [sync] + list(callbacks or [])
-        executor.sync_in()
-        try:
+        try:  # `sync` copies Keras values in at each epoch's start
             return super().fit(x, y, batch_size, epochs, verbose, callbacks,
                                **kwargs)
         finally:
