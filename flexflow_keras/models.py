@@ -275,17 +275,22 @@ _OWN_CLASSES = {
 
 
 @contextlib.contextmanager
-def _keras_names_load_as_ours() -> Iterator[None]:
-    """While loading, Keras's model class names resolve to our classes.
+def _loading_as_ours(custom_objects: dict | None) -> Iterator[dict]:
+    """While loading, Keras's model class names resolve to our classes;
+    yields the `custom_objects` to load with.
 
     Why: saved configs name `keras.Model`/`keras.Sequential` with no
-    registered name, so `custom_objects` is never consulted for them.
+    registered name, so `custom_objects` is never consulted for them;
+    plain Keras saves functional models as registered name `Functional`,
+    which `custom_objects` maps (Model(...) dispatches to Functional).
     """
+    objects = {"Functional": Model}
+    objects.update(custom_objects or {})
     table = api_export.REGISTERED_NAMES_TO_OBJS
     saved = {name: table.get(name) for name in _OWN_CLASSES}
     table.update(_OWN_CLASSES)
     try:
-        yield
+        yield objects
     finally:
         for name, obj in saved.items():
             if obj is None:
@@ -321,9 +326,7 @@ def clone_model(model: Any, *args: Any, **kwargs: Any) -> Any:
 
 def model_from_json(json_string: str, custom_objects: dict | None = None):
     """`keras.models.model_from_json`, returning flexflow_keras models."""
-    objects = {"Functional": Model}
-    objects.update(custom_objects or {})
-    with _keras_names_load_as_ours():
+    with _loading_as_ours(custom_objects) as objects:
         return keras.models.model_from_json(json_string, objects)
 
 
@@ -337,10 +340,7 @@ def load_model(
 
     Reads files saved by plain Keras too.
     """
-    # Plain Keras saves functional models as registered name `Functional`.
-    objects = {"Functional": Model}  # Model(...) dispatches to Functional
-    objects.update(custom_objects or {})
-    with _keras_names_load_as_ours():
+    with _loading_as_ours(custom_objects) as objects:
         return keras.models.load_model(
             filepath,
             custom_objects=objects,
