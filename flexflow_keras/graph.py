@@ -309,6 +309,13 @@ def has_graph(model: Any) -> bool:
     return _as_function(model) is not None
 
 
+def function_of(model: Any) -> Any:
+    """What runs `model`'s layers: its Keras `Function` (a Sequential's
+    inner one), else the model itself (e.g. a Sequential not yet built)."""
+    function = _as_function(model)
+    return model if function is None else function
+
+
 def _as_function(model: Any) -> Any:
     """The Keras `Function` behind a model, or None if it has none."""
     from keras.src.models.functional import Functional

@@ -23,6 +23,7 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 from tensorflow.experimental import dtensor
 
+from flexflow_keras.graph import function_of
 from flexflow_keras.runtime import layouts as layouts_lib
 from flexflow_keras.runtime.layouts import replicated
 from flexflow_keras.runtime.optimizers import Updater
@@ -106,10 +107,6 @@ def _unrolled(layer: Any):
     finally:
         for name, value in saved.items():
             setattr(layer, name, value)
-
-
-def _function_of(model: Any) -> Any:
-    return getattr(model, "_functional", None) or model
 
 
 class Executor:
@@ -357,13 +354,13 @@ class Executor:
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _pack_outputs(self, flat):
-        struct = _function_of(self.model)._outputs_struct
+        struct = function_of(self.model)._outputs_struct
         return tree.pack_sequence_as(struct, list(flat))
 
     # -- eager steps ----------------------------------------------------------
 
     def _flat_inputs(self, x) -> list:
-        function = _function_of(self.model)
+        function = function_of(self.model)
         flat = function._standardize_inputs(x)
         return [tf.convert_to_tensor(v) for v in flat]
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from flexflow_keras.graph import function_of
+
 
 # Layer types TensorFlow 2.21's DTensor cannot train (measured: a data
 # parallel fit of a one-layer model on 4 virtual CPUs).
@@ -90,8 +92,7 @@ def _add_loss_reasons(model: Any, reported: str) -> list[str]:
 
     try:
         # A Sequential built from a shape has inputs only on its Functional.
-        function = getattr(model, "_functional", None) or model
-        inputs = keras.tree.map_structure(zeros, function.input)
+        inputs = keras.tree.map_structure(zeros, function_of(model).input)
         _, _, losses = model.stateless_call(
             [v.value for v in model.trainable_variables],
             [v.value for v in model.non_trainable_variables],
