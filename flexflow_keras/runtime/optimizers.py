@@ -15,6 +15,8 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from flexflow_keras.runtime.variables import gather, to_layout
+
 SUPPORTED = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad")
 
 
@@ -99,6 +101,7 @@ class Updater:
         self._slots: dict[int, dict[str, Any]] = {}
         self._decay: dict[int, bool] = {}
         self._keras_of: dict[int, Any] = {}  # id(dvar) -> Keras variable
+        self._layout_of: dict[int, Any] = {}  # id(dvar) -> its layout
         wd = getattr(optimizer, "weight_decay", None)
         for var in variables:
             dvar = store.dvariable(var)
@@ -113,14 +116,10 @@ class Updater:
                 )
             self._slots[id(dvar)] = slots
             self._keras_of[id(dvar)] = var
+            self._layout_of[id(dvar)] = layout
             self._decay[id(dvar)] = bool(wd) and optimizer._use_weight_decay(
                 var
             )
-        self._layout_of = {
-            id(dvar): store.layout(var) for dvar, var in (
-                (store.dvariable(v), v) for v in variables
-            )
-        }
         self.push()
 
     def _keras_slot(self, name: str, var: Any) -> Any:
@@ -137,8 +136,6 @@ class Updater:
         initial values, which are Keras's."""
         if not self.optimizer.built:
             return
-        from flexflow_keras.runtime.variables import to_layout
-
         for key, slots in self._slots.items():
             var, layout = self._keras_of[key], self._layout_of[key]
             for name, slot in slots.items():
@@ -147,8 +144,6 @@ class Updater:
 
     def pull(self) -> None:
         """Our slots -> the Keras optimizer's (built here if need be)."""
-        from flexflow_keras.runtime.variables import gather
-
         if not self.optimizer.built:
             self.optimizer.build(self._model_variables)
         for key, slots in self._slots.items():
@@ -255,6 +250,4 @@ def _square_like_keras(grad: Any) -> Any:
 
 
 def _filled(layout: Any, shape: tuple, value: float, dtype: Any) -> Any:
-    from flexflow_keras.runtime.variables import to_layout
-
     return to_layout(tf.fill(shape, tf.constant(value, dtype)), layout)
