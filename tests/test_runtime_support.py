@@ -43,13 +43,16 @@ def _cnn_data(n, seed=0):
     return x, y
 
 
-def _concat_data(n, seed=0):
-    rng = np.random.default_rng(seed)
-    return (
-        [rng.random((n, 8), dtype=np.float32),
-         rng.random((n, 12), dtype=np.float32)],
-        rng.random((n, 1), dtype=np.float32),
-    )
+def _two_input_data(dim_a, dim_b):
+    def data(n, seed=0):
+        rng = np.random.default_rng(seed)
+        return (
+            [rng.random((n, dim_a), dtype=np.float32),
+             rng.random((n, dim_b), dtype=np.float32)],
+            rng.random((n, 1), dtype=np.float32),
+        )
+
+    return data
 
 
 def _transformer_data(n, seed=0):
@@ -64,15 +67,6 @@ def _dlrm_data(n, seed=0):
     for i in range(2):
         x[f"sparse_{i}"] = rng.integers(0, 20, (n, 1)).astype("int32")
     return x, rng.random((n, 1), dtype=np.float32)
-
-
-def _shared_data(n, seed=0):
-    rng = np.random.default_rng(seed)
-    return (
-        [rng.random((n, 8), dtype=np.float32),
-         rng.random((n, 8), dtype=np.float32)],
-        rng.random((n, 1), dtype=np.float32),
-    )
 
 
 def _dense_data_seq(n, seed=0):
@@ -91,7 +85,8 @@ MODELS = {
         _cnn_data,
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     ),
-    "two_input_concat": (model_zoo.two_input_concat, _concat_data, "mse"),
+    "two_input_concat": (model_zoo.two_input_concat, _two_input_data(8, 12),
+                         "mse"),
     "nested": (model_zoo.nested, _dense_data(8, 1), "mse"),
     "transformer": (
         lambda: model_zoo.transformer_block(seq=8, dim=16, heads=2),
@@ -101,7 +96,7 @@ MODELS = {
         lambda: model_zoo.dlrm(2, 20, 4, 4, (8, 4), (8, 1)),
         _dlrm_data, "mse",
     ),
-    "shared_layer": (model_zoo.shared_layer, _shared_data, "mse"),
+    "shared_layer": (model_zoo.shared_layer, _two_input_data(8, 8), "mse"),
     "lstm": (
         lambda: model_zoo.lstm_model(seq=4, features=4, units=8, classes=4),
         _dense_data_seq, "mse",
