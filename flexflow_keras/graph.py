@@ -316,11 +316,50 @@ def function_of(model: Any) -> Any:
     return model if function is None else function
 
 
+def trace_call(model: Any, inputs: Any) -> str | None:
+    """Gives a subclassed model a graph: its `call` run on symbolic
+    inputs. Returns None, or why its call cannot be traced.
+
+    The layers called inside `call()` record their calls, as in a
+    functional model, so each becomes an op; inner models are flattened
+    as usual. The model still runs its own `call()` (and step); the
+    graph only names the layer calls a strategy places.
+
+    Args:
+        model: A subclassed Keras model.
+        inputs: `keras.Input`s (any structure) shaped like `fit`'s data.
+    """
+    import inspect
+
+    import keras
+
+    kwargs = {}
+    if "training" in inspect.signature(model.call).parameters:
+        kwargs["training"] = False
+    try:
+        outputs = model.call(inputs, **kwargs)
+        function = keras.Model(inputs, outputs, name=model.name)
+    except Exception as error:  # noqa: BLE001 - any failure: no graph
+        return f"{type(error).__name__}: {error}"
+    # Not through Keras's __setattr__: the trace must not become a
+    # tracked sublayer (weights, saving) of the model.
+    object.__setattr__(model, "_ff_traced_function", function)
+    return None
+
+
+def is_traced(model: Any) -> bool:
+    """Whether `model`'s graph comes from `trace_call` (subclassed)."""
+    return "_ff_traced_function" in vars(model)
+
+
 def _as_function(model: Any) -> Any:
     """The Keras `Function` behind a model, or None if it has none."""
     from keras.src.models.functional import Functional
     from keras.src.models.sequential import Sequential
 
+    traced = vars(model).get("_ff_traced_function")
+    if traced is not None:
+        return traced
     if isinstance(model, Sequential):
         if model._functional is None and model.built is False:
             return None

@@ -82,7 +82,11 @@ class _PlanningModel(StrategyTrainer):
     ) -> Any:
         if getattr(self, "_ff_settings", None) is not None:
             found, x = _peek_batch(x, batch_size)
-            if not self.built and found.input_shape is not None:
+            if isinstance(self, Model) and not isinstance(
+                self, KerasFunctional
+            ) and not hasattr(self, "_ff_trace_failure"):
+                self._trace(found)
+            elif not self.built and found.input_shape is not None:
                 self.build(found.input_shape)
             self._ensure_plan(found.batch_size)
         return super().fit(x, y, batch_size, *args, **kwargs)
@@ -115,6 +119,25 @@ class _PlanningModel(StrategyTrainer):
         self._ff_plan = None
         super()._strategy_failed(reason)
 
+    def _trace(self, found: "_Peeked") -> None:
+        """A subclassed model's graph: its call traced on inputs shaped
+        like fit's (once; a failure is kept for the warning)."""
+        from flexflow_keras.graph import is_traced, trace_call
+
+        if not is_traced(self) and found.inputs is not None:
+            failure = trace_call(self, found.symbolic_inputs())
+            if failure is not None:
+                self._ff_trace_failure = failure
+
+    def _strategy_needs_own_step(self, reason: str) -> None:
+        # Found when the layer-by-layer step was first traced (a layer's
+        # add_loss): plan again on one mesh, where the model's own step
+        # runs, before any step changed a value.
+        self._ff_own_step = reason
+        batch_size = self._ff_plan.graph.batch_size
+        self._ff_plans, self._ff_plan = {}, None
+        self._ensure_plan(batch_size)
+
     def _ensure_plan(self, batch_size: int) -> None:
         """Plans for `batch_size` once, then attaches it to the runtime."""
         from flexflow_keras import planner, runtime
@@ -127,9 +150,13 @@ class _PlanningModel(StrategyTrainer):
             return
         plan = self._ff_plans.get(batch_size)
         if plan is None:
+            own_step = getattr(self, "_ff_own_step", None) or "; ".join(
+                runtime.own_step_reasons(self)
+            )
             plan = planner.make_plan(
                 self, batch_size, self._ff_settings,
                 optimizer=getattr(self, "optimizer", None),
+                one_mesh_reason=own_step or None,
             )
             self._ff_plans[batch_size] = plan
         if plan is not self._ff_plan:
@@ -146,19 +173,25 @@ def _why_plain_keras(model: Any) -> str | None:
     if failure is not None:
         return failure
     if not has_graph(model):
+        failure = getattr(model, "_ff_trace_failure", None)
+        why = (
+            f"its call() could not be traced on symbolic inputs "
+            f"({failure})" if failure else
+            "it has no graph of layers to parallelize"
+        )
         return (
-            f"Model '{model.name}' is a subclassed model with no graph of "
-            "layers to parallelize, so it trains as plain Keras on one "
-            "device. Build it with `keras.Input(...)` (functional or "
-            "Sequential) to get a searched strategy."
+            f"Model '{model.name}' trains as plain Keras on one device: "
+            f"{why}. Keep Python control flow on tensor values out of "
+            "call() (use keras.ops.cond / keras.ops.where), or build the "
+            "model with `keras.Input(...)`, to get a searched strategy."
         )
     reasons = runtime.unsupported_features(model)
     if reasons:
         return (
             f"Model '{model.name}' trains as plain Keras on one device: "
-            f"the parallel runtime cannot yet match Keras when "
-            f"{'; '.join(reasons)}. Remove those to get a searched "
-            "strategy."
+            f"TensorFlow's DTensor cannot run it because "
+            f"{'; '.join(reasons)}. Replace those layers to get a "
+            "searched strategy."
         )
     return None
 
@@ -217,11 +250,24 @@ class Sequential(_PlanningModel, keras.Sequential):
 
 
 class _Peeked:
-    """Batch size and input shape read from fit()'s data."""
+    """Batch size, input shape and inputs read from fit()'s data."""
 
-    def __init__(self, batch_size: int, input_shape: Any = None):
+    def __init__(self, batch_size: int, inputs: Any = None):
         self.batch_size = batch_size
-        self.input_shape = input_shape
+        self.input_shape = _shape_of(inputs)
+        self.inputs = inputs
+
+    def symbolic_inputs(self) -> Any:
+        """`keras.Input`s shaped and typed like the inputs (any batch)."""
+
+        def symbolic(value):
+            value = np.asarray(value) if not hasattr(value, "dtype") else (
+                value
+            )
+            dtype = keras.backend.standardize_dtype(value.dtype)
+            return keras.Input(tuple(np.shape(value))[1:], dtype=dtype)
+
+        return keras.tree.map_structure(symbolic, self.inputs)
 
 
 def _peek_batch(x: Any, batch_size: int | None) -> tuple[_Peeked, Any]:
@@ -243,9 +289,9 @@ def _peek_batch(x: Any, batch_size: int | None) -> tuple[_Peeked, Any]:
     if first is not None:
         inputs = first[0] if isinstance(first, tuple) else first
         leaf = keras.tree.flatten(inputs)[0]
-        return _Peeked(int(leaf.shape[0]), _shape_of(inputs)), x
+        return _Peeked(int(leaf.shape[0]), inputs), x
     size = _KERAS_DEFAULT_BATCH_SIZE if batch_size is None else batch_size
-    return _Peeked(int(size), _shape_of(x)), x
+    return _Peeked(int(size), x), x
 
 
 def _prepend(first: Any, rest: Iterator) -> Iterator:

@@ -61,11 +61,18 @@ def make_plan(
     settings: Settings,
     optimizer: Any = None,
     verbose: int = 1,
+    one_mesh_reason: str | None = None,
 ) -> Plan:
     """Builds the graph and picks its strategy, per the settings.
 
     An imported strategy is used as is (no search); a budget of 0 keeps
     data parallelism; otherwise MCMC searches from data parallelism.
+
+    `one_mesh_reason` (why the model runs its own training step, e.g.
+    "it overrides train_step") keeps every op on one device mesh
+    (`search_space.one_mesh_configs`): the search explores that space,
+    data parallelism is its batch split, and an imported strategy over
+    several meshes is replaced by a search there, with a warning.
     """
     from flexflow_keras import machine as machine_lib
     from flexflow_keras import search, search_space, simulator
@@ -77,24 +84,28 @@ def make_plan(
     sim = simulator.Simulator(
         graph, machine, optimizer_slots=optimizer_slots(optimizer)
     )
+    parts = None
+    if one_mesh_reason is not None:
+        parts = search_space.one_mesh_devices(graph, num_devices)
+    plan = None
     if settings.import_strategy:
-        strategy = strategy_files.load_strategy(
-            settings.import_strategy, graph, num_devices
-        )
-        strategy, changed = search_space.tie_shared(graph, strategy)
-        if changed:
+        plan = _imported(graph, settings, machine, parts)
+        if plan is None:
             warnings.warn(
-                f"{settings.import_strategy}: ops {changed} call a shared "
-                "layer, whose calls run on its weights' devices: they take "
-                "the config of the layer's first call instead of their "
-                "own. Give every call of a shared layer the same config.",
+                f"{settings.import_strategy} places ops on several device "
+                f"meshes, but model '{model.name}' runs its own training "
+                f"step ({one_mesh_reason}), which runs on one mesh. It "
+                f"trains under the best strategy on one mesh of {parts} "
+                "devices instead (searched with the same budget).",
                 stacklevel=2,
             )
-        plan = Plan(graph, strategy, "import", machine=machine)
-    elif settings.search_budget == 0:
-        strategy = Strategy.data_parallel(graph, num_devices)
+    if plan is None and settings.search_budget == 0:
+        strategy = (
+            Strategy.data_parallel(graph, num_devices) if parts is None
+            else search_space.one_mesh_data_parallel(graph, parts)
+        )
         plan = Plan(graph, strategy, "data_parallel", machine=machine)
-    else:
+    elif plan is None:
         result = search.search(
             graph,
             sim,
@@ -103,6 +114,7 @@ def make_plan(
             alpha=settings.search_alpha,
             seed=settings.search_seed,
             verbose=verbose,
+            one_mesh_parts=parts,
         )
         plan = Plan(graph, result.strategy, "search", result, machine)
     if settings.export_strategy:
@@ -112,6 +124,30 @@ def make_plan(
         step_ms=sim.simulate(plan.strategy).step_ms,
         per_op_ms=per_op_ms(graph, plan.strategy, sim.cost),
     )
+
+
+def _imported(
+    graph: OpGraph, settings: Settings, machine: Any, parts: int | None
+) -> Plan | None:
+    """The imported strategy's plan; None when the model needs one mesh
+    (`parts` devices) and the strategy uses several."""
+    from flexflow_keras import search_space, strategy_files
+
+    strategy = strategy_files.load_strategy(
+        settings.import_strategy, graph, machine.num_devices
+    )
+    strategy, changed = search_space.tie_shared(graph, strategy)
+    if changed:
+        warnings.warn(
+            f"{settings.import_strategy}: ops {changed} call a shared "
+            "layer, whose calls run on its weights' devices: they take "
+            "the config of the layer's first call instead of their "
+            "own. Give every call of a shared layer the same config.",
+            stacklevel=3,
+        )
+    if parts is not None and not search_space.is_one_mesh(strategy):
+        return None
+    return Plan(graph, strategy, "import", machine=machine)
 
 
 def per_op_ms(

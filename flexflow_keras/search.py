@@ -28,7 +28,8 @@ from typing import Any
 
 from flexflow_keras.graph import OpGraph
 from flexflow_keras.search_space import (
-    random_config, tie_shared, weight_ties,
+    one_mesh_configs, one_mesh_data_parallel, random_config, tie_shared,
+    weight_ties,
 )
 from flexflow_keras.strategy import Strategy, validate_config
 
@@ -86,6 +87,7 @@ def search(
     print_fn: Callable[[str], None] | None = None,
     reset_every: int | None = None,
     propagation: float = 0.0,
+    one_mesh_parts: int | None = None,
 ) -> SearchResult:
     """Runs FlexFlow's MCMC search for `budget` iterations.
 
@@ -109,6 +111,11 @@ def search(
         propagation: Chance that a proposal copies a neighbour op's
             config instead of drawing a random one (FlexFlow's
             `use_propagation` uses 0.7); 0 is the plain search.
+        one_mesh_parts: Search only strategies whose ops all share the
+            mesh of devices `0..one_mesh_parts-1`
+            (`search_space.one_mesh_configs`), starting from
+            `one_mesh_data_parallel`; for models that run their own
+            training step. None: the whole SOAP space.
 
     Returns:
         A `SearchResult`.
@@ -124,6 +131,8 @@ def search(
         seed = random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)
     data_parallel = Strategy.data_parallel(graph, num_devices)
+    if one_mesh_parts is not None and initial is None:
+        initial = one_mesh_data_parallel(graph, one_mesh_parts)
     current = data_parallel if initial is None else initial
     current.validate(graph, num_devices)
     current, _ = tie_shared(graph, current)
@@ -138,6 +147,9 @@ def search(
     if reset_every is None:
         reset_every = min(max(budget // 100, 1), 1000)
     ops = graph.ops
+    mesh_choices = {} if one_mesh_parts is None else {
+        op.name: one_mesh_configs(op, one_mesh_parts) for op in ops
+    }
     accepted = iteration = 0
     interrupted = False
     try:
@@ -151,7 +163,12 @@ def search(
             if propagation and rng.random() < propagation:
                 config = _neighbour_config(graph, op, current, num_devices,
                                            rng)
-            if config is None:
+                if mesh_choices and config not in mesh_choices[op.name]:
+                    config = None
+            if config is None and mesh_choices:
+                choices = mesh_choices[op.name]
+                config = choices[rng.randrange(len(choices))]
+            elif config is None:
                 config = random_config(op, num_devices, rng)
             next_ms = cur_ms
             if config != current[op.name]:

@@ -166,3 +166,61 @@ def tie_shared(
             strategy = strategy.replace(name, owner)
             changed.append(name)
     return strategy, changed
+
+
+# -- one mesh ---------------------------------------------------------------
+#
+# A model that runs its own training step (a `train_step` or
+# `compute_loss` override, `add_loss`, regularizers, masks, mixed
+# precision, any Keras optimizer) runs it as one DTensor function, and
+# DTensor runs an op only on inputs of one device mesh. Its strategies
+# therefore put every op on the same mesh: `k` devices `0..k-1`, each op
+# splitting one dim it may partition (Sample, Attribute or Parameter)
+# into `k` parts. The Operator dimension (placing ops on other devices)
+# is what such a model gives up.
+
+
+def one_mesh_configs(op: Op, parts: int) -> list[ParallelConfig]:
+    """The configs of `op` on the mesh of devices `0..parts-1`: one
+    partitionable dim split `parts` ways (all dims 1 when `parts` is 1).
+    Sample split first."""
+    rank = max(op.rank, 1)
+    ids = tuple(range(parts))
+    if parts == 1:
+        return [ParallelConfig((1,) * rank, ids)]
+    shape = op.output_shape or (1,)
+    return [
+        ParallelConfig(
+            tuple(parts if d == dim else 1 for d in range(rank)), ids
+        )
+        for dim in sorted(op.partitionable)
+        if dim < len(shape) and shape[dim] % parts == 0
+    ]
+
+
+def one_mesh_devices(graph: OpGraph, num_devices: int) -> int:
+    """The most devices (<= `num_devices`) one mesh can hold for every
+    op of `graph`: each op must split some dim that many ways."""
+    for parts in range(num_devices, 1, -1):
+        if all(one_mesh_configs(op, parts) for op in graph):
+            return parts
+    return 1
+
+
+def one_mesh_data_parallel(graph: OpGraph, parts: int) -> Strategy:
+    """Every op on the one mesh of `parts` devices, splitting the batch
+    where it can (else its first partitionable dim that divides)."""
+    return Strategy(
+        {op.name: one_mesh_configs(op, parts)[0] for op in graph}
+    )
+
+
+def is_one_mesh(strategy: Strategy) -> bool:
+    """Whether every op of `strategy` runs on one DTensor mesh: the same
+    device ids and the same degrees > 1 (the runtime names mesh axes by
+    position, so `(4, 1)` and `(1, 4)` share one)."""
+    meshes = {
+        (tuple(d for d in c.dims if d > 1), c.device_ids)
+        for c in strategy.values()
+    }
+    return len(meshes) <= 1

@@ -248,10 +248,12 @@ class RuntimeKerasTest(unittest.TestCase):
             rtol=1e-5, atol=1e-6,
         )
 
-    def test_unsupported_optimizer_names_supported_ones(self):
+    def test_several_meshes_name_the_optimizers_they_run(self):
+        # One mesh runs Keras's own optimizer (test_own_step.py); the
+        # layer-by-layer step over several meshes has its own rules.
         ref, model = support.build_pair("mlp")
         model.compile(optimizer=keras.optimizers.Nadam(), loss="mse")
-        support.attach(model, support.data_parallel, 8)
+        support.attach(model, support.placement, 8)
         x, y = support.MODELS["mlp"][1](8)
         with self.assertRaisesRegex(NotImplementedError, "Nadam.*|.*SGD"):
             model.fit(x, y, **FIT)

@@ -5,6 +5,7 @@
 the strategy's per-op meshes and layouts; `detach_strategy` switches back.
 """
 
+from flexflow_keras.runtime.support import own_step_reasons
 from flexflow_keras.runtime.support import unsupported_features
 from flexflow_keras.runtime.trainer import StrategyTrainer
 from flexflow_keras.runtime.trainer import attach_strategy
@@ -14,5 +15,6 @@ __all__ = [
     "StrategyTrainer",
     "attach_strategy",
     "detach_strategy",
+    "own_step_reasons",
     "unsupported_features",
 ]

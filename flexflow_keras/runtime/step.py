@@ -1,17 +1,15 @@
-"""Train / test / predict steps of one strategy on DTensor.
+"""Train / test / predict steps of a strategy over several device meshes.
 
-One segment (all ops on one mesh) and one output: the training step is one
-`tf.function` (forward, compiled loss, backward, gradient reduction,
-optimizer update). Several segments: one forward and one backward function
-per segment (the backward recomputes its forward), chained eagerly through
-replicated copies, with the loss between them; see `layouts.py` for why.
+(A strategy on one mesh runs the model's own step: `model_step.py`.)
+Keras's default step, layer by layer: one forward and one backward
+function per segment (consecutive ops on one mesh; the backward
+recomputes its forward), chained eagerly through replicated copies, with
+the loss between them; see `layouts.py` for why.
 Metrics and the loss tracker are updated by Keras's own code in a plain
 `tf.function` on the gathered outputs, so `compile(metrics=...)` behaves
 as in Keras.
 """
 
-import contextlib
-import re
 from typing import Any
 
 import keras
@@ -24,8 +22,9 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from tensorflow.experimental import dtensor
 
 from flexflow_keras.graph import function_of
-from flexflow_keras.runtime import layouts as layouts_lib
-from flexflow_keras.runtime.layouts import replicated
+from flexflow_keras.runtime.fallback import fall_back
+from flexflow_keras.runtime.unroll import unrolled
+from flexflow_keras.runtime.layouts import replicated, segments
 from flexflow_keras.runtime.optimizers import Updater
 from flexflow_keras.runtime.variables import VariableStore, layer_variables
 
@@ -79,7 +78,7 @@ def _batch_relaxed(python_function):
     return call
 
 
-def _single_device(strategy: Any, device_names: tuple) -> str | None:
+def single_device(strategy: Any, device_names: tuple) -> str | None:
     """The device name when every op runs unsplit on that one device."""
     ids = {c.device_ids for c in strategy.values()}
     if len(ids) == 1:
@@ -89,24 +88,9 @@ def _single_device(strategy: Any, device_names: tuple) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def _unrolled(layer: Any):
-    """Recurrent layers run unrolled, without cuDNN, while traced.
-
-    Why: DTensor has no layout propagation for the while-loop TensorLists
-    (`tf.TensorListStack`) of a rolled RNN, nor for cuDNN RNN kernels; the
-    unrolled loop is plain ops with the same arithmetic.
-    """
-    saved = {}
-    for name, value in (("unroll", True), ("use_cudnn", False)):
-        if hasattr(layer, name) and hasattr(layer, "cell"):
-            saved[name] = getattr(layer, name)
-            setattr(layer, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(layer, name, value)
+class OwnStepNeeded(Exception):
+    """Raised while a step is traced: a layer adds a loss (`add_loss`),
+    which only the model's own step (`model_step.py`) counts."""
 
 
 class Executor:
@@ -119,18 +103,17 @@ class Executor:
         device_names: Devices the strategy's ids refer to.
     """
 
-    def __init__(self, model, graph, strategy, device_names):
+    def __init__(self, model, graph, strategy, device_names, plans):
         self.model = model
         self.graph = graph
-        self.meshes = layouts_lib.MeshCache(device_names)
-        self.plans = layouts_lib.plan_ops(graph, strategy, self.meshes)
-        self.segments = layouts_lib.segments(graph, self.plans)
-        self.single_device = _single_device(strategy, device_names)
+        self.plans = plans
+        self.segments = segments(graph, self.plans)
+        self.single_device = single_device(strategy, device_names)
         self.updater = None
         self.dirty = False  # DVariables newer than the Keras variables
         self.updated = False  # some weights took the running train step
         self._fns: dict[tuple, Any] = {}
-        self.fused = len(self.segments) == 1 and len(graph.outputs) == 1
+        self.own_step_reason = None  # what only the model's step counts
         if self.single_device is not None:
             # Every op on one device: Keras's own step, placed there, is
             # already the best executor; no DVariables are made.
@@ -212,9 +195,16 @@ class Executor:
             is_layer = isinstance(layer, keras.layers.Layer)
             if is_layer and "training" not in kwargs:
                 kwargs = dict(kwargs, training=training)
-            with StatelessScope(state_mapping=mapping) as scope:
-                with _unrolled(layer):
+            with StatelessScope(
+                state_mapping=mapping, collect_losses=True
+            ) as scope:
+                with unrolled(layer):
                     out = layer(*args, **kwargs)
+            if scope.losses:
+                # Kept here too: tf.function re-raises with its traceback
+                # in the message.
+                self.own_step_reason = f"layer '{layer.name}' calls add_loss()"
+                raise OwnStepNeeded(self.own_step_reason)
             if training:
                 for v in non_trainable:
                     new = scope.get_current_value(v)
@@ -247,29 +237,6 @@ class Executor:
         if full not in self._fns:
             self._fns[full] = getattr(self, "_make_" + kind)(*key)
         return self._fns[full]
-
-    def _make_fused_train(self, sharded, batch):
-        seg = self.segments[0]
-        dvars = self._seg_dvars(seg)
-        out = self.graph.outputs[0]
-        compile_loss = self.model._compile_loss
-
-        @tf.function
-        def fused(inputs, y, sample_weight, hyper):
-            with tf.GradientTape() as tape:
-                values = dict(zip(seg.inputs, inputs))
-                updates = self._run_segment(seg, values, True, sharded)
-                y_pred = values[out]
-                y_pred = dtensor.relayout(
-                    y_pred, replicated(seg.mesh, y_pred.shape.rank)
-                )
-                loss = compile_loss(y, y_pred, sample_weight)
-            grads = tape.gradient(loss, dvars)
-            self.updater.apply(grads, dvars, hyper[0], hyper[1])
-            self._assign(updates)
-            return loss, y_pred
-
-        return fused
 
     def _make_forward(self, index, training, sharded, batch):
         seg = self.segments[index]
@@ -398,20 +365,7 @@ class Executor:
         x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
         flat_x = self._flat_inputs(x)
         variant = self._variant(int(flat_x[0].shape[0]))
-        if self.fused:
-            seg = self.segments[0]
-            values = dict(zip(self.graph.inputs, flat_x))
-            ins = tuple(_to_mesh(values[t], seg.mesh) for t in seg.inputs)
-            y_d = tree.map_structure(lambda v: _to_mesh(v, seg.mesh), y)
-            sw_d = tree.map_structure(lambda v: _to_mesh(v, seg.mesh), sw)
-            loss, y_pred = self._fn("fused_train", *variant)(
-                ins, y_d, sw_d, self._hyper(seg.mesh)
-            )
-            logs = self._fn("metrics", True)(
-                x, y, [_local(y_pred)], sw, _local(loss)
-            )
-        else:
-            logs = self._train_segments(flat_x, x, y, sw, variant)
+        logs = self._train_segments(flat_x, x, y, sw, variant)
         self.model.optimizer.iterations.assign_add(1)
         self.dirty = True
         return logs
@@ -466,7 +420,7 @@ class Executor:
 
         A TensorFlow op with no DTensor rule (found only when a step is
         first traced) hands the model back to plain Keras mid-call (see
-        `_fall_back`), so training goes on with the same values.
+        `fallback.fall_back`), so training goes on with the same values.
         """
         model = self.model
 
@@ -480,8 +434,12 @@ class Executor:
                     )
                     try:
                         out = self.predict_batch(x)
+                    except OwnStepNeeded:
+                        return self._to_own_step(kind, data)
                     except tf.errors.OpError as error:
-                        return self._fall_back(kind, error, data)
+                        return fall_back(
+                            model, kind, error, data, self.updated
+                        )
                     if outputs is None:
                         outputs = out
                     else:
@@ -505,47 +463,20 @@ class Executor:
                     break
                 try:
                     logs = step(data)
+                except OwnStepNeeded:
+                    return self._to_own_step(kind, iter([data]))
                 except tf.errors.OpError as error:
-                    return self._fall_back(kind, error, iter([data]))
+                    return fall_back(
+                        model, kind, error, iter([data]), self.updated
+                    )
             return logs
 
         return function
 
-    def _fall_back(self, kind: str, error: Exception, data: Any) -> Any:
-        """Plain Keras from now on, starting with `data`, if `error` is
-        DTensor lacking a rule for some op; else re-raises it.
-
-        Why here: which TensorFlow ops a model's step uses is known only
-        when it is traced. No value was changed by the failed step, and
-        detaching copies out what earlier steps trained (weights and
-        optimizer slots), so Keras goes on from exactly there.
-        """
-        found = _NO_DTENSOR_RULE.search(str(error))
-        if found is None:
-            raise error
+    def _to_own_step(self, kind: str, data: Any) -> Any:
+        """The model plans again for its own step (one mesh) and runs
+        `data` there. Found at the first trace: nothing was updated."""
         model = self.model
-        if kind == "train" and self.updated:
-            # Later segments already applied this step: redoing it in
-            # Keras would apply it twice to them.
-            raise RuntimeError(
-                f"TensorFlow's DTensor has no layout rule for the "
-                f"'{found.group(1)}' op of model '{model.name}', found "
-                "half-way through a training step under a strategy with "
-                "several device meshes, so the step cannot be redone in "
-                "plain Keras. Train this model with plain `keras`, or with "
-                "`compile(search_budget=0)` (one mesh)."
-            ) from error
-        model._strategy_failed(
-            f"Model '{model.name}' trains as plain Keras on one device "
-            f"from now on: TensorFlow's DTensor has no layout rule for "
-            f"its '{found.group(1)}' op, so no parallel strategy can run "
-            "it. Results are those of plain Keras."
-        )
+        model._strategy_needs_own_step(self.own_step_reason)
         getattr(model, f"make_{kind}_function")(force=True)
         return getattr(model, f"{kind}_function")(data)
-
-
-# What TensorFlow 2.21's DTensor says when an op has no SPMD rule.
-_NO_DTENSOR_RULE = re.compile(
-    r"'(?:tf\.)?(\w+)' op does not implement layout propagation"
-)

@@ -1,17 +1,22 @@
-"""What the DTensor runtime cannot yet run exactly as Keras does.
+"""What a model needs from the runtime, in words for warnings.
 
-Why: a strategy must compute what plain Keras computes. A model using
-one of these features would train differently under the runtime (its
-regularization or `add_loss` losses or masks dropped, its dtypes
-changed), so the caller trains it as plain Keras instead and says why.
+Two questions, one function each:
+
+- `unsupported_features`: what no strategy can run on TensorFlow's
+  DTensor (layers whose ops have no DTensor rule); such a model trains as
+  plain Keras on one device, with a warning naming the layer.
+- `own_step_reasons`: why a model must run its own training step (a
+  step or loss override, losses beyond the compiled loss, masks, mixed
+  precision, an optimizer or option only Keras's own `apply` runs). That
+  step runs as one DTensor function on one device mesh
+  (`model_step.py`), so such a model's strategies keep every op on one
+  mesh. A model with none of these may also use strategies over several
+  meshes (`step.py`, Keras's default step layer by layer).
 """
 
 from typing import Any
 
-import numpy as np
-
-from flexflow_keras.graph import function_of
-
+import keras
 
 # Layer types TensorFlow 2.21's DTensor cannot train (measured: a data
 # parallel fit of a one-layer model on 4 virtual CPUs).
@@ -22,18 +27,16 @@ _NO_DTENSOR = {
     "SeparableConv2D": "its gradient op DepthwiseConv2dNativeBackpropFilter",
 }
 
+# Methods whose override makes the model's own step the one to run.
+_STEP_METHODS = (
+    "train_step", "test_step", "predict_step", "compute_loss",
+    "_compute_loss",
+)
+
 
 def unsupported_features(model: Any) -> list[str]:
-    """Human-readable reasons the runtime would not match Keras; [] if none."""
-    from flexflow_keras.runtime.optimizers import check_supported
-
+    """Why no strategy can train `model` on DTensor; [] if nothing."""
     reasons = []
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None:
-        try:
-            check_supported(optimizer)
-        except NotImplementedError as error:
-            reasons.append(f"its optimizer is not supported ({error})")
     for layer in model._flatten_layers(include_self=False):
         name = f"layer '{layer.name}'"
         kind = type(layer).__name__
@@ -42,11 +45,10 @@ def unsupported_features(model: Any) -> list[str]:
                 f"{name} is a {kind}: {_NO_DTENSOR[kind]} has no DTensor "
                 "layout rule in TensorFlow 2.21"
             )
+            continue
         dilation = getattr(layer, "dilation_rate", 1)
-        if kind not in _NO_DTENSOR and any(
-            d != 1 for d in (dilation if isinstance(dilation, tuple)
-                             else (dilation,))
-        ):
+        if any(d != 1 for d in (dilation if isinstance(dilation, tuple)
+                                else (dilation,))):
             reasons.append(
                 f"{name} is a dilated convolution (dilation_rate="
                 f"{dilation}): its SpaceToBatchND op has no DTensor layout "
@@ -57,64 +59,57 @@ def unsupported_features(model: Any) -> list[str]:
                 f"{name} is Bidirectional, which crashes TensorFlow 2.21's "
                 "DTensor (segmentation fault)"
             )
-        regularizers = [
+    return reasons
+
+
+def own_step_reasons(model: Any) -> list[str]:
+    """Why `model` must run its own training step; [] if Keras's default
+    step, layer by layer, computes exactly what it does."""
+    from flexflow_keras.graph import is_traced
+    from flexflow_keras.runtime.optimizers import check_supported
+
+    reasons = ["it is a subclassed model"] if is_traced(model) else []
+    reasons += [
+        f"it overrides {method}"
+        for method in _STEP_METHODS
+        if _defined_outside_keras(type(model), method)
+    ]
+    if getattr(model, "_compile_loss", None) is None:
+        reasons.append("it was compiled without a loss")
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        try:
+            check_supported(optimizer)
+        except NotImplementedError:
+            reasons.append(
+                f"its optimizer {type(optimizer).__name__} runs Keras's own "
+                "apply"
+            )
+    for layer in model._flatten_layers(include_self=False):
+        name = f"layer '{layer.name}'"
+        regularizers = sorted(
             attr for attr in vars(layer)
             if attr.endswith("regularizer") and getattr(layer, attr)
-        ]
+        )
         if regularizers:
-            reasons.append(f"{name} has {', '.join(sorted(regularizers))}")
-        if getattr(layer, "mask_zero", False) or kind == "Masking":
+            reasons.append(f"{name} has {', '.join(regularizers)}")
+        if getattr(layer, "mask_zero", False) or isinstance(
+            layer, keras.layers.Masking
+        ):
             reasons.append(f"{name} produces a mask")
         policy = getattr(layer, "dtype_policy", None)
         if policy is not None and (
             policy.compute_dtype != policy.variable_dtype
         ):
-            reasons.append(
-                f"{name} uses mixed precision ({policy.name})"
-            )
-    return reasons + _add_loss_reasons(model, " ".join(reasons))
+            reasons.append(f"{name} uses mixed precision ({policy.name})")
+    return reasons
 
 
-def _add_loss_reasons(model: Any, reported: str) -> list[str]:
-    """Reasons for the layers whose call adds a loss (`add_loss`), except
-    those `reported` already names (regularizers add losses too).
-
-    Nothing in a layer's config says so, and the symbolic call that
-    built the model dropped such losses, so this runs one forward pass
-    on zeros (batch 1, or the model's fixed batch) in Keras's stateless
-    mode: no variable, moving statistic or seed changes.
-    """
-    import keras
-
-    def zeros(tensor: Any) -> np.ndarray:
-        shape = tuple(1 if n is None else n for n in tensor.shape)
-        return np.zeros(shape, dtype=tensor.dtype)
-
-    try:
-        # A Sequential built from a shape has inputs only on its Functional.
-        inputs = keras.tree.map_structure(zeros, function_of(model).input)
-        _, _, losses = model.stateless_call(
-            [v.value for v in model.trainable_variables],
-            [v.value for v in model.non_trainable_variables],
-            inputs, training=True, return_losses=True,
-        )
-        names = [  # read before `_clear_losses` below forgets them
-            layer.name
-            for layer in model._flatten_layers(include_self=False)
-            if getattr(layer, "_loss_ids", None)
-        ]
-    except Exception as error:  # noqa: BLE001 - unknown: assume the worst
-        return [
-            "its layers could not be checked for add_loss() (a forward "
-            f"pass on zeros raised {type(error).__name__}: {error})"
-        ]
-    finally:
-        model._clear_losses()
-    if not losses:
-        return []
-    if not names:
-        return ["its call adds a loss (add_loss())"]
-    return [
-        f"layer '{name}' calls add_loss()" for name in names
-        if f"layer '{name}' " not in reported
-    ]
+def _defined_outside_keras(cls: type, method: str) -> bool:
+    """Whether the class that defines `method` for `cls` is the user's
+    (not Keras's, not ours)."""
+    for klass in cls.__mro__:
+        if method in vars(klass):
+            module = klass.__module__
+            return not module.startswith(("keras.", "flexflow_keras."))
+    return False

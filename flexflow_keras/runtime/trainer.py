@@ -20,7 +20,9 @@ from typing import Any
 
 import keras
 
-from flexflow_keras.runtime.step import Executor
+from flexflow_keras.runtime import layouts
+from flexflow_keras.runtime.model_step import ModelStepExecutor, one_mesh
+from flexflow_keras.runtime.step import Executor, single_device
 
 
 def attach_strategy(model: Any, graph: Any, strategy: Any) -> None:
@@ -42,10 +44,23 @@ def attach_strategy(model: Any, graph: Any, strategy: Any) -> None:
             f"StrategyTrainer. Received: {type(model).__name__}."
         )
     detach_strategy(model)
-    model._ff_executor = Executor(
+    model._ff_executor = make_executor(
         model, graph, strategy, devices.device_names()
     )
-    model._ff_executor.dirty = False
+
+
+def make_executor(model: Any, graph: Any, strategy: Any,
+                  device_names: tuple[str, ...]) -> Any:
+    """The executor for `strategy`: the model's own step on one mesh
+    (`ModelStepExecutor`), else Keras's default step layer by layer over
+    the strategy's meshes (`Executor`), or Keras's own step pinned to one
+    device when the strategy uses one."""
+    meshes = layouts.MeshCache(device_names)
+    plans = layouts.plan_ops(graph, strategy, meshes)
+    mesh = one_mesh(plans)
+    if single_device(strategy, device_names) is None and mesh is not None:
+        return ModelStepExecutor(model, graph, plans)
+    return Executor(model, graph, strategy, device_names, plans)
 
 
 def detach_strategy(model: Any) -> None:
@@ -57,6 +72,12 @@ def detach_strategy(model: Any) -> None:
     model.train_function = None
     model.test_function = None
     model.predict_function = None
+
+
+def tf_executing_eagerly() -> bool:
+    import tensorflow as tf
+
+    return tf.executing_eagerly()
 
 
 def _on_device(function: Any, device: str) -> Any:
@@ -71,18 +92,21 @@ def _on_device(function: Any, device: str) -> Any:
 
 
 class _SyncCallback(keras.callbacks.Callback):
-    def __init__(self, executor: Executor):
+    """Copies values between Keras and the executor the model has now
+    (it may change mid-fit: see `StrategyTrainer._strategy_failed`)."""
+
+    def __init__(self, model: "StrategyTrainer"):
         super().__init__()
-        self._executor = executor
+        self._trainer = model
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._executor.sync_in()
+        self._trainer._sync_in()
 
     def on_epoch_end(self, epoch, logs=None):
-        self._executor.sync_out()
+        self._trainer._sync_out()
 
     def on_train_end(self, logs=None):
-        self._executor.sync_out()
+        self._trainer._sync_out()
 
 
 class StrategyTrainer:
@@ -95,6 +119,16 @@ class StrategyTrainer:
         as plain Keras from here on, with the values trained so far."""
         warnings.warn(reason, stacklevel=2)
         detach_strategy(self)
+
+    def _strategy_needs_own_step(self, reason: str) -> None:
+        """The strategy's layer-by-layer step would drop what `reason`
+        names. A model that plans (`models.Model`) plans again on one
+        mesh; this bare mixin has no planner, so trains as plain Keras."""
+        self._strategy_failed(
+            f"Model '{self.name}' trains as plain Keras on one device: "
+            f"{reason}, which only its own step counts, and its strategy "
+            "spans several device meshes."
+        )
 
     @property
     def strategy_executor(self) -> Executor | None:
@@ -142,7 +176,7 @@ class StrategyTrainer:
         if executor is None:
             return super().fit(x, y, batch_size, epochs, verbose, callbacks,
                                **kwargs)
-        sync = _SyncCallback(executor)
+        sync = _SyncCallback(self)
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks.callbacks.insert(0, sync)
             sync.set_model(self)
@@ -152,7 +186,7 @@ class StrategyTrainer:
             return super().fit(x, y, batch_size, epochs, verbose, callbacks,
                                **kwargs)
         finally:
-            executor.sync_out()
+            self._sync_out()
 
     def _sync_in(self) -> None:
         """Keras variables -> DVariables (no-op without a strategy)."""
@@ -178,6 +212,18 @@ class StrategyTrainer:
             return super().train_on_batch(*args, **kwargs)
         finally:
             self._sync_out()
+
+    def reset_metrics(self):
+        super().reset_metrics()
+        sync = getattr(self._ff_executor, "sync_metrics_in", None)
+        if sync is not None:
+            sync()
+
+    def get_metrics_result(self):
+        sync = getattr(self._ff_executor, "sync_metrics_out", None)
+        if sync is not None and tf_executing_eagerly():
+            sync()
+        return super().get_metrics_result()
 
     def get_weights(self):
         self._sync_out()

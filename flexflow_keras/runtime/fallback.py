@@ -1,0 +1,56 @@
+"""Plain Keras from the step where DTensor turns out to lack an op's rule.
+
+Which TensorFlow ops a model's step uses is known only when the step is
+first traced, so this is where a model with such an op (say
+`keras.ops.flip`: `ReverseV2`) leaves its strategy.
+"""
+
+import re
+from typing import Any
+
+# What TensorFlow 2.21's DTensor says when an op has no SPMD rule.
+_NO_DTENSOR_RULE = re.compile(
+    r"'(?:tf\.)?(\w+)' op does not implement layout propagation"
+)
+
+
+def fall_back(
+    model: Any, kind: str, error: Exception, data: Any, half_done: bool
+) -> Any:
+    """Plain Keras from now on, starting with `data`, if `error` is
+    DTensor lacking a rule for some op; else re-raises it.
+
+    No value was changed by the failed step, and detaching copies out
+    what earlier steps trained (weights and optimizer state), so Keras
+    goes on from exactly there.
+
+    Args:
+        model: The `StrategyTrainer` model.
+        kind: `train`, `test` or `predict`.
+        error: What the step raised.
+        data: The batch (an iterator of batches) to redo in Keras.
+        half_done: Whether part of this training step already updated
+            weights (several meshes): then it cannot be redone.
+    """
+    found = _NO_DTENSOR_RULE.search(str(error))
+    if found is None:
+        raise error
+    if kind == "train" and half_done:
+        # Later segments already applied this step: redoing it in
+        # Keras would apply it twice to them.
+        raise RuntimeError(
+            f"TensorFlow's DTensor has no layout rule for the "
+            f"'{found.group(1)}' op of model '{model.name}', found "
+            "half-way through a training step under a strategy with "
+            "several device meshes, so the step cannot be redone in "
+            "plain Keras. Train this model with plain `keras`, or with "
+            "`compile(search_budget=0)` (one mesh)."
+        ) from error
+    model._strategy_failed(
+        f"Model '{model.name}' trains as plain Keras on one device "
+        f"from now on: TensorFlow's DTensor has no layout rule for "
+        f"its '{found.group(1)}' op, so no parallel strategy can run "
+        "it. Results are those of plain Keras."
+    )
+    getattr(model, f"make_{kind}_function")(force=True)
+    return getattr(model, f"{kind}_function")(data)

@@ -1,0 +1,480 @@
+"""The model's own train/test/predict step, run under a one-mesh strategy.
+
+Keras's `fit` calls `model.train_step(data)`: the user's override if
+there is one, else Keras's (forward pass, `compute_loss` with `add_loss`
+and regularization losses, gradient tape, the optimizer's own `apply`,
+`compute_metrics`). Here that very function is traced once per batch
+shape into a DTensor `tf.function`, with the strategy underneath:
+
+- every Keras variable the step touches (weights, optimizer slots and
+  counters, metric and seed state) is backed by a `StepVariable` (a
+  DVariable) while the step is traced; weights are laid out per op
+  (`OpPlan.weight_layout`), optimizer slots like their weight, the rest
+  replicated;
+- each call of a layer that is an op of the graph has its tensor
+  inputs relaid to the op's input layouts and its outputs to the op's
+  output layouts (`OpPlan`), so each op runs split as the search chose;
+- batches come in replicated on the mesh and are sliced by the first
+  op's input relayout (a local slice, no communication).
+
+Why one mesh: a user's step mixes tensors freely (labels with outputs,
+the batch size with metric totals, the optimizer's step counter with
+every weight); DTensor runs an op only on inputs of one mesh. Strategies
+over several meshes run with `step.Executor` (layer by layer, Keras's
+default step only).
+"""
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import tree
+from keras.src.backend.tensorflow import core as tf_core
+from keras.src.ops.operation import Operation
+from keras.src.trainers.data_adapters import data_adapter_utils
+from tensorflow.experimental import dtensor
+
+from flexflow_keras.runtime import deferred
+from flexflow_keras.runtime.fallback import fall_back
+from flexflow_keras.runtime.layouts import OpPlan, replicated
+from flexflow_keras.runtime.unroll import unrolled
+from flexflow_keras.runtime.variables import gather, to_layout
+
+
+def one_mesh(plans: tuple[OpPlan, ...]) -> Any:
+    """The mesh every op runs on, or None when they use several."""
+    meshes = {plan.mesh for plan in plans}
+    return meshes.pop() if len(meshes) == 1 else None
+
+
+# -- layer calls relaid per op ------------------------------------------------
+
+_ACTIVE: list["ModelStepExecutor"] = []  # executors tracing a step
+_KERAS_CALL = Operation.__call__
+
+
+def _call_with_layouts(operation, *args, **kwargs):
+    """`Operation.__call__`, with an op's layouts while a step is traced.
+
+    Installed once on Keras's `Operation` (layers and `keras.ops` nodes
+    of a functional model both come through it, inside `Layer.__call__`,
+    so masks and autocasting work as in Keras).
+    """
+    if not _ACTIVE:
+        return _KERAS_CALL(operation, *args, **kwargs)
+    return _ACTIVE[-1].call_op(operation, args, kwargs)
+
+
+Operation.__call__ = _call_with_layouts
+
+
+def _is_traced_tensor(value: Any) -> bool:
+    return isinstance(value, tf.Tensor) and not isinstance(
+        value, keras.KerasTensor
+    )
+
+
+class ModelStepExecutor:
+    """Runs a model's own steps under a strategy whose ops share a mesh.
+
+    Same interface as `step.Executor` (`make_function`, `sync_in`,
+    `sync_out`, `dirty`, `single_device`).
+
+    Args:
+        model: The compiled Keras model.
+        graph: Its `OpGraph` at the strategy's global batch size.
+        plans: The op plans (`layouts.plan_ops`), all on one mesh.
+    """
+
+    single_device = None
+
+    def __init__(self, model: Any, graph: Any, plans: tuple[OpPlan, ...]):
+        self.model = model
+        self.graph = graph
+        self.plans = plans
+        self.mesh = one_mesh(plans)
+        assert self.mesh is not None, "plans span several meshes"
+        self.dirty = False  # StepVariables newer than the Keras variables
+        self._plans_of: dict[int, list[OpPlan]] = {}
+        for plan in plans:
+            self._plans_of.setdefault(id(plan.op.layer), []).append(plan)
+        self._sharded = True  # the batch being traced is split
+        self._pairs: list[tuple[Any, Any, Any]] = []  # keras, step, layout
+        self._key_map: dict[int, int] = {}  # StepVariable key -> Keras's
+        self._functions: dict[str, Any] = {}
+        self._learning_rate = None
+
+    # -- variables ----------------------------------------------------------
+
+    def _realize(self) -> bool:
+        """One StepVariable per Keras variable the step can touch; True
+        if any was added.
+
+        Runs before each step's first trace (after `_build`), and again
+        after it for the variables the trace itself created (a custom
+        step's optimizer built on first use, say), so that no variable of
+        the step stays a regular, single-device one.
+        """
+        layouts: dict[int, Any] = {}
+        for plan in self.plans:
+            infos = dict(zip(
+                (id(v) for v in getattr(plan.op.layer, "weights", ())),
+                plan.op.weights,
+            ))
+            for var in getattr(plan.op.layer, "variables", ()):
+                info = infos.get(id(var))
+                layouts.setdefault(id(var), plan.weight_layout(
+                    tuple(var.shape),
+                    None if info is None else info.shard_axis,
+                ))
+        for optimizer in _optimizers(self.model):
+            layouts.update(_slot_layouts(optimizer, layouts))
+        seen = {id(k) for k, _, _ in self._pairs}
+        added = False
+        for var in _state_variables(self.model):
+            if id(var) in seen:
+                continue
+            seen.add(id(var))
+            layout = layouts.get(id(var)) or replicated(
+                self.mesh, len(var.shape)
+            )
+            step_var = deferred.StepVariable(
+                to_layout(var.value, layout), trainable=var.trainable
+            )
+            self._pairs.append((var, step_var, layout))
+            self._key_map[step_var._unique_id] = var.value._unique_id
+            added = True
+        return added
+
+    def _build(self, data: Any) -> None:
+        """Builds what Keras would build in the first traced step (the
+        compiled metrics and loss, the optimizer's slots), from a batch."""
+        model = self.model
+        if getattr(self, "_built", False):
+            return
+        model._symbolic_build(data_batch=data)
+        self._built = True
+
+    def sync_in(self) -> None:
+        """Keras values -> StepVariables, unless those are newer."""
+        if not self.dirty:
+            for var, step_var, layout in self._pairs:
+                step_var.assign(to_layout(var.value, layout))
+
+    def sync_out(self) -> None:
+        """StepVariables -> Keras values, if training changed them."""
+        if self.dirty:
+            for var, step_var, _ in self._pairs:
+                var.assign(gather(step_var.read_value()))
+            self.dirty = False
+
+    def sync_metrics_in(self) -> None:
+        """Metric state Keras reset eagerly -> StepVariables."""
+        metric_ids = _metric_variable_ids(self.model)
+        for var, step_var, layout in self._pairs:
+            if id(var) in metric_ids:
+                step_var.assign(to_layout(var.value, layout))
+
+    def sync_metrics_out(self) -> None:
+        """StepVariables -> metric state, for Keras's eager reads."""
+        metric_ids = _metric_variable_ids(self.model)
+        for var, step_var, _ in self._pairs:
+            if id(var) in metric_ids:
+                var.assign(gather(step_var.read_value()))
+
+    def _push_learning_rate(self) -> None:
+        """A learning rate set by a callback since the last step."""
+        optimizer = getattr(self.model, "optimizer", None)
+        variable = getattr(optimizer, "_learning_rate", None)
+        if not isinstance(variable, keras.Variable):
+            return
+        value = float(variable.numpy())
+        if value != self._learning_rate:
+            for var, step_var, layout in self._pairs:
+                if var is variable:
+                    step_var.assign(to_layout(var.value, layout))
+            self._learning_rate = value
+
+    @contextlib.contextmanager
+    def _realized(self) -> Iterator[None]:
+        """While tracing: Keras variables read and write StepVariables,
+        layer calls take their op's layouts, `ops.cond` selects."""
+        step_vars = [s for _, s, _ in self._pairs]
+        saved = [(k, k._value) for k, _, _ in self._pairs]
+        keys = []
+        for optimizer in _optimizers(self.model):
+            keys.append((optimizer, optimizer.__dict__.get("_var_key")))
+            optimizer._var_key = self._stable_key(optimizer._var_key)
+        keras_cond = tf_core.cond
+        for var, step_var, _ in self._pairs:
+            var._value = step_var
+        _ACTIVE.append(self)
+        tf_core.cond = deferred.select_cond(step_vars)
+        try:
+            with deferred.deferring(step_vars):
+                yield
+        finally:
+            tf_core.cond = keras_cond
+            _ACTIVE.pop()
+            for var, value in saved:
+                var._value = value
+            for optimizer, key in keys:
+                if key is None:
+                    del optimizer._var_key
+                else:
+                    optimizer._var_key = key
+
+    def _stable_key(self, var_key: Any) -> Any:
+        """The optimizer's `_var_key`, giving a StepVariable its Keras
+        variable's key (slot indices were built from those)."""
+
+        def stable(variable):
+            key = var_key(variable)
+            return self._key_map.get(key, key)
+
+        return stable
+
+    # -- op calls (trace time) ----------------------------------------------
+
+    def call_op(self, operation: Any, args: tuple, kwargs: dict) -> Any:
+        plans = self._plans_of.get(id(operation))
+        if not plans:
+            return _KERAS_CALL(operation, *args, **kwargs)
+        leaves = [x for x in tree.flatten((args, kwargs))
+                  if _is_traced_tensor(x)]
+        plan = _matching_plan(plans, leaves)
+        layouts = {}  # by the graph's shapes: traced ones have batch None
+        for pos, value in enumerate(leaves[: len(plan.op.inputs)]):
+            if _same_shape(value, plan.op.input_shapes[pos]):
+                layouts[id(value)] = plan.input_layout(
+                    pos, plan.op.input_shapes[pos], self._sharded
+                )
+
+        def relaid(value):
+            layout = layouts.get(id(value))
+            return value if layout is None else dtensor.relayout(
+                value, layout
+            )
+
+        args, kwargs = tree.map_structure(relaid, (args, kwargs))
+        with unrolled(operation):
+            outputs = _KERAS_CALL(operation, *args, **kwargs)
+        flat = tree.flatten(outputs)
+        placed = []
+        for index, value in enumerate(flat):
+            if _is_traced_tensor(value) and index < len(plan.op.outputs):
+                layout = plan.output_layout(
+                    index, value.shape.rank, self._sharded
+                )
+                value = dtensor.relayout(value, layout)
+                if plan.op.outputs[index] in self.graph.outputs:
+                    value = dtensor.relayout(value, _batch_only(layout))
+            placed.append(value)
+        return tree.pack_sequence_as(outputs, placed)
+
+    # -- steps ----------------------------------------------------------------
+
+    def _traced(self, kind: str, data: Any) -> Any:
+        """The step of `kind` for this batch size, traced (once) with the
+        batch dim unknown, as Keras traces its step on a dataset's
+        element spec (so shape-dependent Keras code, such as the
+        per-output loss trackers' weighting, behaves identically).
+
+        One function per batch size: a batch of another size than the
+        strategy's (the last partial batch, evaluate/predict batches)
+        runs with the batch dim unsharded on the same mesh.
+        """
+        batch = _batch_of(data)
+        key = (kind, batch)
+        if key not in self._functions:
+            step = getattr(self.model, f"{kind}_step")
+
+            @tf.function
+            def traced(data):
+                self._sharded = batch == self.graph.batch_size
+                with self._realized():
+                    return step(data)
+
+            traced.get_concrete_function(_relaxed(data))
+            self._functions[key] = traced
+        return self._functions[key]
+
+    def _on_mesh(self, data: Any) -> Any:
+        """Each tensor of a batch copied, replicated, onto the mesh."""
+
+        def copy(value):
+            if isinstance(value, np.ndarray):
+                value = tf.convert_to_tensor(value)
+            if not isinstance(value, tf.Tensor) or value.dtype == tf.string:
+                return value
+            return dtensor.copy_to_mesh(
+                value, replicated(self.mesh, value.shape.rank)
+            )
+
+        return tree.map_structure(copy, data)
+
+    def run(self, kind: str, data: Any) -> Any:
+        """One step of `kind` on one batch; regular tensors out."""
+        if kind != "predict":
+            self._build(data)
+        self._realize()
+        if kind == "train":
+            self._push_learning_rate()
+        data = self._on_mesh(data)
+        function = self._traced(kind, data)
+        if self._realize():  # the trace made variables: trace anew
+            self._functions.clear()
+            function = self._traced(kind, data)
+        outputs = function(data)
+        if kind == "train":
+            self.dirty = True
+        return tree.map_structure(_regular, outputs)
+
+    def make_function(self, kind: str) -> Any:
+        """`train_function(iterator)` / `test_function(iterator)` /
+        `predict_function(data)` with the contract of Keras's TF trainer.
+
+        A TensorFlow op with no DTensor rule (found when a step is first
+        traced) hands the model back to plain Keras (`fall_back`).
+        """
+        model = self.model
+        if kind == "predict":
+
+            def predict_function(data):
+                outputs = None
+                for batch in data:
+                    try:
+                        out = self.run("predict", batch)
+                    except tf.errors.OpError as error:
+                        return fall_back(model, kind, error, data, False)
+                    outputs = out if outputs is None else tree.map_structure(
+                        lambda a, b: tf.concat([a, b], 0), outputs, out
+                    )
+                return outputs
+
+            return predict_function
+
+        def function(iterator):
+            logs = None
+            for _ in range(model.steps_per_execution):
+                try:
+                    data = next(iterator)
+                except (StopIteration, tf.errors.OutOfRangeError):
+                    if logs is None:
+                        raise StopIteration
+                    break
+                try:
+                    logs = self.run(kind, data)
+                except tf.errors.OpError as error:
+                    return fall_back(
+                        model, kind, error, iter([data]), False
+                    )
+            return logs
+
+        return function
+
+
+def _batch_only(layout: Any) -> Any:
+    """`layout` with only its batch dim (if any) split.
+
+    For the model's outputs as the step's own code sees them (loss,
+    metrics, a user's penalty): DTensor sums the gradients of a tensor
+    used twice (AddN) without relaying them out, and fails when two
+    uses gave them different layouts (measured: a distillation loss
+    using logits split on their class dim in two losses).
+    """
+    if layout.rank == 0:
+        return layout
+    specs = [layout.sharding_specs[0]] + [dtensor.UNSHARDED] * (
+        layout.rank - 1
+    )
+    return dtensor.Layout(specs, layout.mesh)
+
+
+def _regular(value: Any) -> Any:
+    """A DTensor as the regular tensor it holds (eager); else unchanged."""
+    if isinstance(value, tf.Tensor) and dtensor.is_dtensor(value):
+        return gather(value)
+    return value
+
+
+def _relaxed(data: Any) -> Any:
+    """Tensor specs of `data` with the batch dim unknown."""
+
+    def spec(value):
+        if isinstance(value, tf.Tensor) and value.shape.rank:
+            return tf.TensorSpec([None] + value.shape[1:], value.dtype)
+        return value
+
+    return tree.map_structure(spec, data)
+
+
+def _batch_of(data: Any) -> int | None:
+    for leaf in tree.flatten(data):
+        if isinstance(leaf, tf.Tensor) and leaf.shape.rank:
+            return leaf.shape[0]
+    return None
+
+
+def _same_shape(value: Any, shape: tuple[int, ...]) -> bool:
+    """Same shape as the graph's, the batch dim aside."""
+    got = tuple(value.shape)
+    return len(got) == len(shape) and got[1:] == tuple(shape[1:])
+
+
+def _matching_plan(plans: list[OpPlan], leaves: list) -> OpPlan:
+    """The call of a shared layer whose input shapes these are."""
+    for plan in plans:
+        shapes = plan.op.input_shapes
+        if len(leaves) >= len(shapes) and all(
+            _same_shape(v, s) for v, s in zip(leaves, shapes)
+        ):
+            return plan
+    return plans[0]
+
+
+def _optimizers(model: Any) -> list:
+    """The model's optimizer (and a loss-scale wrapper's inner one)."""
+    found = []
+    optimizer = getattr(model, "optimizer", None)
+    while optimizer is not None and optimizer not in found:
+        found.append(optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return found
+
+
+def _slot_layouts(optimizer: Any, layouts: dict[int, Any]) -> dict:
+    """Optimizer variable id -> its weight's layout, for per-weight
+    slots (moments, accumulators, EMA copies): any list the optimizer
+    holds with one variable of its weight's shape per trainable weight."""
+    weights = list(getattr(optimizer, "_trainable_variables", ()))
+    found = {}
+    for value in vars(optimizer).values():
+        if not isinstance(value, list) or len(value) != len(weights):
+            continue
+        for slot, weight in zip(value, weights):
+            if (
+                isinstance(slot, keras.Variable)
+                and slot is not weight
+                and tuple(slot.shape) == tuple(weight.shape)
+                and id(weight) in layouts
+            ):
+                found[id(slot)] = layouts[id(weight)]
+    return found
+
+
+def _state_variables(model: Any) -> list:
+    """Every Keras variable a step of `model` may read or write."""
+    found = list(model.variables)
+    for metric in model.metrics:
+        found.extend(metric.variables)
+    for optimizer in _optimizers(model):
+        found.extend(optimizer.variables)
+    return found
+
+
+def _metric_variable_ids(model: Any) -> set[int]:
+    return {id(v) for metric in model.metrics for v in metric.variables}

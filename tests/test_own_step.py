@@ -1,0 +1,363 @@
+"""The model's own training step under a searched strategy (issue 9).
+
+Each feature is a small model trained 2 epochs under
+`compile(search_budget=30)` on the 4 virtual CPU devices, and the same
+model in plain Keras from the same initial weights. Each case asserts
+that the strategy uses more than one device, that nothing fell back to
+plain Keras, and that losses and weights equal plain Keras's (1e-5
+relative; bfloat16 compute to its own precision).
+
+The unmarked class runs a representative subset; `-m slow` runs every
+feature and every optimizer in `keras.optimizers`.
+"""
+
+import os
+import unittest
+import warnings
+from unittest import mock
+
+import keras
+import numpy as np
+import pytest
+
+import flexflow_keras as fk
+from flexflow_keras import runtime
+from flexflow_keras.runtime import model_step
+
+SAMPLES, BATCH, EPOCHS = 64, 16, 2
+RTOL = 1e-5
+
+
+# -- models, each built the same way from `keras` or `flexflow_keras` --------
+
+
+def _mlp(mod, optimizer="adam", loss="mse", layer=None, **compile_kw):
+    inputs = mod.Input((8,))
+    h = (layer or mod.layers.Dense(16, activation="relu"))(inputs)
+    outputs = mod.layers.Dense(4)(h)
+    model = mod.Model(inputs, outputs)
+    model.compile(optimizer=optimizer, loss=loss, **compile_kw)
+    return model
+
+
+def _dense_data(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(SAMPLES, 8)).astype("float32")
+    y = rng.normal(size=(SAMPLES, 4)).astype("float32")
+    return x, y
+
+
+class AddsLoss(keras.layers.Layer):
+    """A layer whose call adds an activity penalty (`add_loss`)."""
+
+    def call(self, x):
+        self.add_loss(0.01 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
+class FixedBatchReshape(keras.layers.Layer):
+    """Reshapes with the batch size written in, as some published
+    scripts do, and adds a loss."""
+
+    def __init__(self, batch, **kwargs):
+        super().__init__(**kwargs)
+        self.batch = batch
+
+    def call(self, x):
+        self.add_loss(0.1 * keras.ops.mean(x))
+        return keras.ops.reshape(x, (self.batch, 4, 4))
+
+
+def _penalty_step_class(mod):
+    class PenaltyModel(mod.Model):
+        """A functional model whose `train_step` adds its own penalty."""
+
+        def train_step(self, data):
+            import tensorflow as tf
+
+            x, y = data
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+                penalty = 0.05 * tf.add_n(
+                    [tf.reduce_sum(tf.square(w))
+                     for w in self.trainable_weights]
+                )
+                total = loss + penalty
+            grads = tape.gradient(total, self.trainable_weights)
+            self.optimizer.apply_gradients(
+                zip(grads, self.trainable_weights)
+            )
+            for metric in self.metrics:
+                if metric.name == "loss":
+                    metric.update_state(total)
+                else:
+                    metric.update_state(y, y_pred)
+            return {"loss": total, "penalty": penalty}
+
+    return PenaltyModel
+
+
+def build_train_step(mod):
+    cls = _penalty_step_class(mod)
+    inputs = mod.Input((8,))
+    h = mod.layers.Dense(16, activation="relu")(inputs)
+    model = cls(inputs, mod.layers.Dense(4)(h))
+    model.compile(optimizer="adam", loss="mse")
+    return model, _dense_data()
+
+
+def _distiller_class(mod):
+    class Distiller(mod.Model):
+        """Keras's distillation example, shortened: a student learns from
+        labels and from a frozen teacher (`compute_loss`, `compile`)."""
+
+        def __init__(self, student, teacher):
+            super().__init__()
+            self.student = student
+            self.teacher = teacher
+
+        def compile(self, optimizer, alpha=0.3, temperature=3.0, **kw):
+            super().compile(optimizer=optimizer, **kw)
+            self.alpha, self.temperature = alpha, temperature
+            self.student_loss_fn = keras.losses.CategoricalCrossentropy(
+                from_logits=True
+            )
+            self.distill_loss_fn = keras.losses.KLDivergence()
+
+        def compute_loss(self, x=None, y=None, y_pred=None,
+                         sample_weight=None, allow_empty=False):
+            teacher = self.teacher(x, training=False)
+            t = self.temperature
+            distill = self.distill_loss_fn(
+                keras.ops.softmax(teacher / t, axis=1),
+                keras.ops.softmax(y_pred / t, axis=1),
+            ) * t ** 2
+            student = self.student_loss_fn(y, y_pred)
+            return self.alpha * student + (1 - self.alpha) * distill
+
+        def call(self, x):
+            return self.student(x)
+
+    return Distiller
+
+
+def build_distiller(mod):
+    def net(name, width):
+        inputs = keras.Input((8,))
+        h = keras.layers.Dense(width, activation="relu")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(4)(h), name=name)
+
+    teacher, student = net("teacher", 32), net("student", 16)
+    teacher.trainable = False
+    model = _distiller_class(mod)(student, teacher)
+    model.compile(optimizer="adam", alpha=0.3, temperature=3.0)
+    x, _ = _dense_data()
+    y = keras.utils.to_categorical(
+        np.random.default_rng(1).integers(0, 4, SAMPLES), 4
+    )
+    return model, (x, y)
+
+
+def build_add_loss(mod):
+    return _mlp(mod, layer=_Chain(
+        mod.layers.Dense(16, activation="relu"), AddsLoss())
+    ), _dense_data()
+
+
+class _Chain:
+    """Calls layers one after another (a builder helper, not a layer)."""
+
+    def __init__(self, *layers):
+        self.layers = layers
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def build_add_loss_fixed_batch(mod):
+    inputs = mod.Input((16,))
+    h = mod.layers.Dense(16, activation="relu")(inputs)
+    h = FixedBatchReshape(BATCH)(h)
+    outputs = mod.layers.Dense(4)(mod.layers.Flatten()(h))
+    model = mod.Model(inputs, outputs)
+    model.compile(optimizer="adam", loss="mse")
+    x = np.random.default_rng(0).normal(size=(SAMPLES, 16)).astype("float32")
+    return model, (x, _dense_data()[1])
+
+
+def build_regularizers(mod):
+    layer = mod.layers.Dense(
+        16, activation="relu", kernel_regularizer="l2",
+        bias_regularizer=keras.regularizers.L1(0.01),
+        activity_regularizer=keras.regularizers.L2(0.001),
+    )
+    return _mlp(mod, layer=layer), _dense_data()
+
+
+def _sequence_data(seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, 20, (SAMPLES, 6))
+    ids[:, 4:] = 0  # padding the mask must hide
+    y = rng.normal(size=(SAMPLES, 4)).astype("float32")
+    return ids, y
+
+
+def build_mask_zero_lstm(mod):
+    inputs = mod.Input((6,), dtype="int32")
+    h = mod.layers.Embedding(20, 8, mask_zero=True)(inputs)
+    h = mod.layers.LSTM(8)(h)
+    model = mod.Model(inputs, mod.layers.Dense(4)(h))
+    model.compile(optimizer="adam", loss="mse")
+    return model, _sequence_data()
+
+
+def build_masking(mod):
+    inputs = mod.Input((6, 3))
+    h = mod.layers.Masking(mask_value=0.0)(inputs)
+    h = mod.layers.GRU(8)(h)
+    model = mod.Model(inputs, mod.layers.Dense(4)(h))
+    model.compile(optimizer="adam", loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SAMPLES, 6, 3)).astype("float32")
+    x[:, 4:] = 0.0
+    return model, (x, _dense_data()[1])
+
+
+def build_mixed_bfloat16(mod):
+    inputs = mod.Input((8,))
+    h = mod.layers.Dense(16, activation="relu", dtype="mixed_bfloat16")(
+        inputs
+    )
+    outputs = mod.layers.Dense(4, dtype="float32")(h)
+    model = mod.Model(inputs, outputs)
+    model.compile(optimizer="adam", loss="mse")
+    return model, _dense_data()
+
+
+def build_no_compiled_loss(mod):
+    inputs = mod.Input((8,))
+    h = mod.layers.Dense(16, activation="relu")(inputs)
+    h = AddsLoss()(mod.layers.Dense(4)(h))
+    model = mod.Model(inputs, h)
+    model.compile(optimizer="adam")
+    return model, (_dense_data()[0], None)
+
+
+def optimizer_case(make):
+    def build(mod):
+        return _mlp(mod, optimizer=make()), _dense_data()
+
+    return build
+
+
+OPTIMIZERS = {
+    name: getattr(keras.optimizers, name)
+    for name in (
+        "SGD", "RMSprop", "Adam", "AdamW", "Adadelta", "Adagrad", "Adamax",
+        "Adafactor", "Nadam", "Ftrl", "Lion", "Lamb", "Muon",
+    )
+    if hasattr(keras.optimizers, name)
+}
+OPTION_CASES = {
+    "adam_clipnorm": lambda: keras.optimizers.Adam(clipnorm=0.1),
+    "adam_clipvalue": lambda: keras.optimizers.Adam(clipvalue=0.01),
+    "adam_global_clipnorm": lambda: keras.optimizers.Adam(
+        global_clipnorm=0.1
+    ),
+    "adam_gradient_accumulation": lambda: keras.optimizers.Adam(
+        gradient_accumulation_steps=2
+    ),
+    "adam_ema": lambda: keras.optimizers.Adam(
+        use_ema=True, ema_overwrite_frequency=3
+    ),
+    "sgd_loss_scale": lambda: keras.optimizers.SGD(
+        momentum=0.9, loss_scale_factor=8.0
+    ),
+}
+
+FEATURES = {
+    "train_step": build_train_step,
+    "distiller_compute_loss": build_distiller,
+    "add_loss": build_add_loss,
+    "add_loss_fixed_batch_reshape": build_add_loss_fixed_batch,
+    "regularizers": build_regularizers,
+    "mask_zero_lstm": build_mask_zero_lstm,
+    "masking": build_masking,
+    "mixed_bfloat16": build_mixed_bfloat16,
+    "no_compiled_loss": build_no_compiled_loss,
+    **{f"optimizer_{n}": optimizer_case(c) for n, c in OPTIMIZERS.items()},
+    **{n: optimizer_case(c) for n, c in OPTION_CASES.items()},
+}
+FAST = (
+    "train_step", "distiller_compute_loss", "add_loss", "regularizers",
+    "mask_zero_lstm", "no_compiled_loss", "optimizer_Nadam",
+    "adam_gradient_accumulation",
+)
+TOLERANCE = {"mixed_bfloat16": 2e-2}
+# compile() reads these (settings: compile kwargs > argv > environment).
+SEARCH = mock.patch.dict(os.environ, {
+    "FLEXFLOW_KERAS_SEARCH_BUDGET": "30",
+    "FLEXFLOW_KERAS_SEARCH_SEED": "0",
+})
+
+
+def train_both(test, name):
+    """Trains feature `name` both ways; asserts the issue's conditions."""
+    build = FEATURES[name]
+    keras.utils.set_random_seed(7)
+    plain, (x, y) = build(keras)
+    keras.utils.set_random_seed(7)
+    with SEARCH:
+        ours, _ = build(fk)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours_history = ours.fit(
+            x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0
+        ).history
+    plain_history = plain.fit(
+        x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0
+    ).history
+    plain_warnings = [str(w.message) for w in caught
+                      if "plain Keras" in str(w.message)]
+    test.assertEqual(plain_warnings, [])
+    devices = {d for c in ours.strategy.values() for d in c.device_ids}
+    test.assertGreater(len(devices), 1, ours.strategy)
+    if runtime.own_step_reasons(ours):
+        test.assertIsInstance(
+            ours.strategy_executor, model_step.ModelStepExecutor
+        )
+    rtol = TOLERANCE.get(name, RTOL)
+    for key in plain_history:
+        np.testing.assert_allclose(
+            ours_history[key], plain_history[key], rtol=rtol,
+            err_msg=f"{name}: {key}",
+        )
+    for a, b in zip(plain.get_weights(), ours.get_weights()):
+        scale = max(float(np.max(np.abs(a))), 1e-6)
+        test.assertLessEqual(
+            float(np.max(np.abs(a - b))) / scale, rtol, name
+        )
+
+
+class OwnStepTest(unittest.TestCase):
+    def test_features(self):
+        for name in FAST:
+            with self.subTest(feature=name):
+                train_both(self, name)
+
+    def test_functional_train_step_override_is_run(self):
+        model, (x, y) = build_train_step(fk)
+        model.compile(optimizer="adam", loss="mse", search_budget=0)
+        logs = model.fit(x, y, batch_size=BATCH, verbose=0).history
+        self.assertIn("penalty", logs)  # only the user's step returns it
+
+
+@pytest.mark.slow
+class OwnStepMatrixTest(unittest.TestCase):
+    def test_every_feature_and_optimizer(self):
+        for name in FEATURES:
+            with self.subTest(feature=name):
+                train_both(self, name)
