@@ -37,7 +37,7 @@ from keras.src.ops.operation import Operation
 from keras.src.trainers.data_adapters import data_adapter_utils
 from tensorflow.experimental import dtensor
 
-from flexflow_keras.runtime import deferred
+from flexflow_keras.runtime import deferred, op_rules
 from flexflow_keras.runtime.fallback import fall_back
 from flexflow_keras.runtime.layouts import OpPlan, replicated
 from flexflow_keras.runtime.unroll import unrolled
@@ -214,7 +214,7 @@ class ModelStepExecutor:
         _ACTIVE.append(self)
         tf_core.cond = deferred.select_cond(step_vars)
         try:
-            with deferred.deferring(step_vars):
+            with deferred.deferring(step_vars), op_rules.substitutes():
                 yield
         finally:
             tf_core.cond = keras_cond

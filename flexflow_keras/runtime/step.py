@@ -22,6 +22,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from tensorflow.experimental import dtensor
 
 from flexflow_keras.graph import function_of
+from flexflow_keras.runtime import op_rules
 from flexflow_keras.runtime.fallback import fall_back
 from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.layouts import replicated, segments
@@ -198,7 +199,7 @@ class Executor:
             with StatelessScope(
                 state_mapping=mapping, collect_losses=True
             ) as scope:
-                with unrolled(layer):
+                with unrolled(layer), op_rules.substitutes():
                     out = layer(*args, **kwargs)
             if scope.losses:
                 # Kept here too: tf.function re-raises with its traceback

@@ -13,13 +13,20 @@ def unrolled(layer: Any) -> Iterator[None]:
     (`tf.TensorListStack`) of a rolled RNN, nor for cuDNN RNN kernels; the
     unrolled loop is plain ops with the same arithmetic.
     """
-    saved = {}
-    for name, value in (("unroll", True), ("use_cudnn", False)):
-        if hasattr(layer, name) and hasattr(layer, "cell"):
-            saved[name] = getattr(layer, name)
-            setattr(layer, name, value)
+    saved = []
+    rnns = [layer] + [
+        getattr(layer, name, None) for name in ("forward_layer",
+                                                "backward_layer")
+    ]  # a Bidirectional wrapper runs two RNN layers
+    for rnn in rnns:
+        if rnn is None or not hasattr(rnn, "cell"):
+            continue
+        for name, value in (("unroll", True), ("use_cudnn", False)):
+            if hasattr(rnn, name):
+                saved.append((rnn, name, getattr(rnn, name)))
+                setattr(rnn, name, value)
     try:
         yield
     finally:
-        for name, value in saved.items():
-            setattr(layer, name, value)
+        for rnn, name, value in saved:
+            setattr(rnn, name, value)
