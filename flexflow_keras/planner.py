@@ -69,7 +69,8 @@ def make_plan(
     data parallelism; otherwise MCMC searches from data parallelism.
 
     `one_mesh_reason` (why the model runs its own training step, e.g.
-    "it overrides train_step") keeps every op on one device mesh
+    "it overrides train_step"; a shared layer's later calls give one too)
+    keeps every op on one device mesh
     (`search_space.one_mesh_configs`): the search explores that space,
     data parallelism is its batch split, and an imported strategy over
     several meshes is replaced by a search there, with a warning.
@@ -84,6 +85,11 @@ def make_plan(
     sim = simulator.Simulator(
         graph, machine, optimizer_slots=optimizer_slots(optimizer)
     )
+    shared = [op.name for op in graph if op.shares_weights_with]
+    if one_mesh_reason is None and shared:
+        # Over several meshes a shared layer's calls would update its
+        # weights once each (runtime.step); on one mesh, once.
+        one_mesh_reason = f"ops {shared} call a shared layer again"
     parts = None
     if one_mesh_reason is not None:
         parts = search_space.one_mesh_devices(graph, num_devices)

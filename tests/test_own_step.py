@@ -261,7 +261,25 @@ OPTIMIZERS = {
     )
     if hasattr(keras.optimizers, name)
 }
+OPTIMIZERS["ScheduleFreeAdamW"] = keras.optimizers.ScheduleFreeAdamW
+
+
+def build_schedule_free(mod):
+    # Plain Keras on TensorFlow builds an unbuilt optimizer inside its
+    # first traced step, so ScheduleFreeAdamW's build-time assignment
+    # (momentum = weights) becomes part of every step. The runtime builds
+    # the optimizer before tracing; built first, plain Keras agrees.
+    model, data = optimizer_case(keras.optimizers.ScheduleFreeAdamW)(mod)
+    model.optimizer.build(model.trainable_variables)
+    return model, data
 OPTION_CASES = {
+    "loss_scale_optimizer": lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(), initial_scale=8.0
+    ),
+    "multi_optimizer": lambda: keras.optimizers.MultiOptimizer(
+        lambda v: keras.optimizers.Adam() if "kernel" in v.path
+        else keras.optimizers.SGD(0.1)
+    ),
     "adam_clipnorm": lambda: keras.optimizers.Adam(clipnorm=0.1),
     "adam_clipvalue": lambda: keras.optimizers.Adam(clipvalue=0.01),
     "adam_global_clipnorm": lambda: keras.optimizers.Adam(
@@ -289,6 +307,7 @@ FEATURES = {
     "mixed_bfloat16": build_mixed_bfloat16,
     "no_compiled_loss": build_no_compiled_loss,
     **{f"optimizer_{n}": optimizer_case(c) for n, c in OPTIMIZERS.items()},
+    "optimizer_ScheduleFreeAdamW": build_schedule_free,
     **{n: optimizer_case(c) for n, c in OPTION_CASES.items()},
 }
 FAST = (
@@ -304,9 +323,10 @@ SEARCH = mock.patch.dict(os.environ, {
 })
 
 
-def train_both(test, name):
-    """Trains feature `name` both ways; asserts the issue's conditions."""
-    build = FEATURES[name]
+def train_both(test, name, build=None):
+    """Trains feature `name` (of `FEATURES`, or made by `build(module)`)
+    both ways; asserts the issue's conditions."""
+    build = build or FEATURES[name]
     keras.utils.set_random_seed(7)
     plain, (x, y) = build(keras)
     keras.utils.set_random_seed(7)

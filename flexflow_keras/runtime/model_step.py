@@ -104,8 +104,8 @@ class ModelStepExecutor:
         self._sharded = True  # the batch being traced is split
         self._pairs: list[tuple[Any, Any, Any]] = []  # keras, step, layout
         self._key_map: dict[int, int] = {}  # StepVariable key -> Keras's
-        self._functions: dict[str, Any] = {}
-        self._learning_rate = None
+        self._functions: dict[tuple, Any] = {}  # (kind, batch) -> step
+        self._learning_rates: dict[int, float] = {}
 
     # -- variables ----------------------------------------------------------
 
@@ -185,18 +185,19 @@ class ModelStepExecutor:
             if id(var) in metric_ids:
                 var.assign(gather(step_var.read_value()))
 
-    def _push_learning_rate(self) -> None:
-        """A learning rate set by a callback since the last step."""
-        optimizer = getattr(self.model, "optimizer", None)
-        variable = getattr(optimizer, "_learning_rate", None)
-        if not isinstance(variable, keras.Variable):
-            return
-        value = float(variable.numpy())
-        if value != self._learning_rate:
-            for var, step_var, layout in self._pairs:
-                if var is variable:
-                    step_var.assign(to_layout(var.value, layout))
-            self._learning_rate = value
+    def _push_learning_rates(self) -> None:
+        """Learning rates a callback set since the last step (Keras
+        callbacks set them between steps, on the Keras variable)."""
+        for optimizer in _optimizers(self.model):
+            variable = vars(optimizer).get("_learning_rate")
+            if not isinstance(variable, keras.Variable):
+                continue
+            value = float(variable.numpy())
+            if value != self._learning_rates.get(id(variable)):
+                for var, step_var, layout in self._pairs:
+                    if var is variable:
+                        step_var.assign(to_layout(var.value, layout))
+                self._learning_rates[id(variable)] = value
 
     @contextlib.contextmanager
     def _realized(self) -> Iterator[None]:
@@ -277,8 +278,8 @@ class ModelStepExecutor:
 
     # -- steps ----------------------------------------------------------------
 
-    def _traced(self, kind: str, data: Any) -> Any:
-        """The step of `kind` for this batch size, traced (once) with the
+    def _trace(self, kind: str, data: Any) -> Any:
+        """The step of `kind` for `data`'s batch size, traced with the
         batch dim unknown, as Keras traces its step on a dataset's
         element spec (so shape-dependent Keras code, such as the
         per-output loss trackers' weighting, behaves identically).
@@ -288,10 +289,9 @@ class ModelStepExecutor:
         runs with the batch dim unsharded on the same mesh.
         """
         batch = _batch_of(data)
-        key = (kind, batch)
-        if key not in self._functions:
-            step = getattr(self.model, f"{kind}_step")
+        step = getattr(self.model, f"{kind}_step")
 
+        def traced_once() -> Any:
             @tf.function
             def traced(data):
                 self._sharded = batch == self.graph.batch_size
@@ -299,8 +299,14 @@ class ModelStepExecutor:
                     return step(data)
 
             traced.get_concrete_function(_relaxed(data))
-            self._functions[key] = traced
-        return self._functions[key]
+            return traced
+
+        function = traced_once()
+        if self._realize():  # the trace made variables: trace anew
+            self._functions.clear()
+            function = traced_once()
+        self._functions[(kind, batch)] = function
+        return function
 
     def _on_mesh(self, data: Any) -> Any:
         """Each tensor of a batch copied, replicated, onto the mesh."""
@@ -318,17 +324,15 @@ class ModelStepExecutor:
 
     def run(self, kind: str, data: Any) -> Any:
         """One step of `kind` on one batch; regular tensors out."""
-        if kind != "predict":
-            self._build(data)
-        self._realize()
+        function = self._functions.get((kind, _batch_of(data)))
+        if function is None:
+            if kind != "predict":
+                self._build(data)
+            self._realize()
+            function = self._trace(kind, self._on_mesh(data))
         if kind == "train":
-            self._push_learning_rate()
-        data = self._on_mesh(data)
-        function = self._traced(kind, data)
-        if self._realize():  # the trace made variables: trace anew
-            self._functions.clear()
-            function = self._traced(kind, data)
-        outputs = function(data)
+            self._push_learning_rates()
+        outputs = function(self._on_mesh(data))
         if kind == "train":
             self.dirty = True
         return tree.map_structure(_regular, outputs)
@@ -414,8 +418,9 @@ def _relaxed(data: Any) -> Any:
 
 def _batch_of(data: Any) -> int | None:
     for leaf in tree.flatten(data):
-        if isinstance(leaf, tf.Tensor) and leaf.shape.rank:
-            return leaf.shape[0]
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and len(shape):
+            return shape[0]
     return None
 
 
@@ -437,12 +442,16 @@ def _matching_plan(plans: list[OpPlan], leaves: list) -> OpPlan:
 
 
 def _optimizers(model: Any) -> list:
-    """The model's optimizer (and a loss-scale wrapper's inner one)."""
-    found = []
-    optimizer = getattr(model, "optimizer", None)
-    while optimizer is not None and optimizer not in found:
+    """The model's optimizer and those it wraps (a LossScaleOptimizer's
+    inner one, a MultiOptimizer's per-variable ones)."""
+    found, todo = [], [getattr(model, "optimizer", None)]
+    while todo:
+        optimizer = todo.pop()
+        if optimizer is None or any(optimizer is f for f in found):
+            continue
         found.append(optimizer)
-        optimizer = getattr(optimizer, "inner_optimizer", None)
+        todo.append(getattr(optimizer, "inner_optimizer", None))
+        todo.extend(getattr(optimizer, "optimizers", None) or ())
     return found
 
 

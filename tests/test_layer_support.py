@@ -1,0 +1,167 @@
+"""Model shapes and layers under a searched strategy (issue 10, part).
+
+Same check as `test_own_step.py` (2 epochs under `compile(search_budget=30)`
+on 4 virtual devices against plain Keras from the same weights: more than
+one device, no hand-over to plain Keras, losses and weights within 1e-5),
+for subclassed models and for layers whose TensorFlow ops DTensor has no
+rule for (run replicated or replaced: `runtime/op_rules.py`).
+"""
+
+import unittest
+
+import keras
+import numpy as np
+import pytest
+
+from test_own_step import SAMPLES, train_both
+
+
+def _images(seed=0, shape=(8, 8, 3)):
+    rng = np.random.default_rng(seed)
+    return rng.random((SAMPLES,) + shape, dtype=np.float32)
+
+
+def _targets(width=4, seed=1):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(SAMPLES, width)).astype("float32")
+
+
+def _head(mod, h):
+    return mod.layers.Dense(4)(mod.layers.Flatten()(h))
+
+
+def image_layer(make):
+    """A one-layer image model: `make(mod)` is the layer."""
+
+    def build(mod):
+        inputs = mod.Input((8, 8, 3))
+        model = mod.Model(inputs, _head(mod, make(mod)(inputs)))
+        model.compile(optimizer="adam", loss="mse")
+        return model, (_images(), _targets())
+
+    return build
+
+
+def sequence_layer(make):
+    def build(mod):
+        inputs = mod.Input((6, 3))
+        model = mod.Model(inputs, _head(mod, make(mod)(inputs)))
+        model.compile(optimizer="adam", loss="mse")
+        x = np.random.default_rng(0).random((SAMPLES, 6, 3), dtype=np.float32)
+        return model, (x, _targets())
+
+    return build
+
+
+def build_shared_avgpool_tower(mod):
+    tower = mod.Sequential([
+        mod.Input((8, 8, 3)),
+        mod.layers.Conv2D(4, 3, padding="same", activation="relu"),
+        mod.layers.AveragePooling2D(2),
+        mod.layers.Flatten(),
+    ], name="tower")
+    left, right = mod.Input((8, 8, 3)), mod.Input((8, 8, 3))
+    merged = mod.layers.Concatenate()([tower(left), tower(right)])
+    model = mod.Model([left, right], mod.layers.Dense(4)(merged))
+    model.compile(optimizer="adam", loss="mse")
+    return model, ([_images(0), _images(1)], _targets())
+
+
+def build_subclassed_mlp(mod):
+    class MLP(mod.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden = mod.layers.Dense(16, activation="relu")
+            self.out = mod.layers.Dense(4)
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+
+    model = MLP()
+    model.compile(optimizer="adam", loss="mse")
+    x = np.random.default_rng(0).normal(size=(SAMPLES, 8)).astype("float32")
+    return model, (x, _targets())
+
+
+def build_subclassed_recommender(mod):
+    class Recommender(mod.Model):
+        """User and item embeddings, their product scored by a Dense."""
+
+        def __init__(self):
+            super().__init__()
+            self.users = mod.layers.Embedding(20, 8)
+            self.items = mod.layers.Embedding(30, 8)
+            self.score = mod.layers.Dense(1)
+
+        def call(self, inputs):
+            user, item = inputs
+            both = self.users(user) * self.items(item)
+            return self.score(mod.ops.squeeze(both, axis=1))
+
+    model = Recommender()
+    model.compile(optimizer="adam", loss="mse")
+    rng = np.random.default_rng(0)
+    users = rng.integers(0, 20, (SAMPLES, 1))
+    items = rng.integers(0, 30, (SAMPLES, 1))
+    return model, ((users, items), _targets(1))
+
+
+class ConvOp(keras.layers.Conv2D):
+    """A custom Conv2D overriding `convolution_op` (scaled inputs)."""
+
+    def convolution_op(self, inputs, kernel):
+        return keras.ops.conv(
+            inputs * 0.5, kernel, strides=list(self.strides),
+            padding=self.padding, dilation_rate=self.dilation_rate,
+            data_format=self.data_format,
+        )
+
+
+FEATURES = {
+    "subclassed_mlp": build_subclassed_mlp,
+    "subclassed_recommender": build_subclassed_recommender,
+    "average_pooling": image_layer(
+        lambda mod: mod.layers.AveragePooling2D(2)
+    ),
+    "shared_tower_average_pooling": build_shared_avgpool_tower,
+    "bidirectional_lstm": sequence_layer(
+        lambda mod: mod.layers.Bidirectional(
+            mod.layers.LSTM(4, return_sequences=True)
+        )
+    ),
+    "gru_go_backwards": sequence_layer(
+        lambda mod: mod.layers.GRU(4, go_backwards=True)
+    ),
+    "depthwise_conv": image_layer(
+        lambda mod: mod.layers.DepthwiseConv2D(3, padding="same")
+    ),
+    "separable_conv": image_layer(
+        lambda mod: mod.layers.SeparableConv2D(4, 3, padding="same")
+    ),
+    "conv_transpose": image_layer(
+        lambda mod: mod.layers.Conv2DTranspose(4, 3, strides=2,
+                                               padding="same")
+    ),
+    "custom_convolution_op": image_layer(
+        lambda mod: ConvOp(4, 3, padding="same")
+    ),
+}
+FAST = (
+    "subclassed_mlp", "average_pooling", "shared_tower_average_pooling",
+    "bidirectional_lstm",
+)
+
+
+class LayerSupportTest(unittest.TestCase):
+    def test_features(self):
+        for name in FAST:
+            with self.subTest(feature=name):
+                train_both(self, name, FEATURES[name])
+
+
+@pytest.mark.slow
+class LayerSupportMatrixTest(unittest.TestCase):
+    def test_every_feature(self):
+        for name, build in FEATURES.items():
+            with self.subTest(feature=name):
+                train_both(self, name, build)
