@@ -166,7 +166,6 @@ class _PlanningModel(StrategyTrainer):
 
 def _why_plain_keras(model: Any) -> str | None:
     """Why `model` must train as plain Keras (one device), or None."""
-    from flexflow_keras import runtime
     from flexflow_keras.graph import has_graph
 
     failure = getattr(model, "_ff_runtime_failure", None)
@@ -184,14 +183,6 @@ def _why_plain_keras(model: Any) -> str | None:
             f"{why}. Keep Python control flow on tensor values out of "
             "call() (use keras.ops.cond / keras.ops.where), or build the "
             "model with `keras.Input(...)`, to get a searched strategy."
-        )
-    reasons = runtime.unsupported_features(model)
-    if reasons:
-        return (
-            f"Model '{model.name}' trains as plain Keras on one device: "
-            f"TensorFlow's DTensor cannot run it because "
-            f"{'; '.join(reasons)}. Replace those layers to get a "
-            "searched strategy."
         )
     return None
 

@@ -224,3 +224,23 @@ def is_one_mesh(strategy: Strategy) -> bool:
         for c in strategy.values()
     }
     return len(meshes) <= 1
+
+
+def random_strategy(
+    graph: OpGraph,
+    num_devices: int,
+    rng: random.Random,
+    one_mesh_parts: int | None = None,
+) -> Strategy:
+    """A random strategy from the space the search explores: every op a
+    `random_config` (or, with `one_mesh_parts`, one of its
+    `one_mesh_configs`), shared layers' calls tied."""
+    configs = {}
+    for op in graph:
+        if one_mesh_parts is None:
+            configs[op.name] = random_config(op, num_devices, rng)
+        else:
+            choices = one_mesh_configs(op, one_mesh_parts)
+            configs[op.name] = choices[rng.randrange(len(choices))]
+    strategy, _ = tie_shared(graph, Strategy(configs))
+    return strategy

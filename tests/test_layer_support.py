@@ -138,6 +138,13 @@ FEATURES = {
     "separable_conv": image_layer(
         lambda mod: mod.layers.SeparableConv2D(4, 3, padding="same")
     ),
+    "dilated_conv": image_layer(
+        lambda mod: mod.layers.Conv2D(4, 3, dilation_rate=2, padding="same")
+    ),
+    "dilated_separable_conv": image_layer(
+        lambda mod: mod.layers.SeparableConv2D(4, 3, dilation_rate=2,
+                                               padding="same")
+    ),
     "conv_transpose": image_layer(
         lambda mod: mod.layers.Conv2DTranspose(4, 3, strides=2,
                                                padding="same")
@@ -165,3 +172,55 @@ class LayerSupportMatrixTest(unittest.TestCase):
         for name, build in FEATURES.items():
             with self.subTest(feature=name):
                 train_both(self, name, build)
+
+
+def random_strategy_steps(test, names, count):
+    """`count` random strategies from the searched space per model, one
+    training step each: none may crash or hand over to plain Keras."""
+    import random
+    import warnings
+
+    from flexflow_keras import runtime, search_space
+    from flexflow_keras.graph import build_graph
+
+    import flexflow_keras as fk
+
+    for name in names:
+        keras.utils.set_random_seed(7)
+        model, (x, y) = FEATURES[name](fk)
+        take = lambda v: v[:16]  # noqa: E731
+        x16 = keras.tree.map_structure(take, x)
+        y16 = take(y)
+        model.fit(x16, y16, batch_size=16, verbose=0)  # plans, traces
+        graph = build_graph(model, 16)
+        parts = None
+        if runtime.own_step_reasons(model) or any(
+            op.shares_weights_with for op in graph
+        ):
+            parts = search_space.one_mesh_devices(graph, 4)
+        rng = random.Random(name)
+        for index in range(count):
+            strategy = search_space.random_strategy(graph, 4, rng, parts)
+            with test.subTest(model=name, strategy=index), \
+                    warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                runtime.attach_strategy(model, graph, strategy)
+                logs = model.train_on_batch(x16, y16, return_dict=True)
+                test.assertTrue(np.isfinite(logs["loss"]), strategy)
+                test.assertEqual(
+                    [str(w.message) for w in caught
+                     if "plain Keras" in str(w.message)], [], strategy
+                )
+
+
+class RandomStrategyTest(unittest.TestCase):
+    def test_a_few_per_model(self):
+        random_strategy_steps(
+            self, ("subclassed_mlp", "shared_tower_average_pooling"), 3
+        )
+
+
+@pytest.mark.slow
+class RandomStrategySweepTest(unittest.TestCase):
+    def test_fifty_per_model(self):
+        random_strategy_steps(self, tuple(FEATURES), 50)

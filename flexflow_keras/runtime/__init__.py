@@ -7,7 +7,6 @@ the strategy's per-op meshes and layouts; `detach_strategy` switches back.
 
 from flexflow_keras.runtime import op_rules
 from flexflow_keras.runtime.support import own_step_reasons
-from flexflow_keras.runtime.support import unsupported_features
 from flexflow_keras.runtime.trainer import StrategyTrainer
 from flexflow_keras.runtime.trainer import attach_strategy
 from flexflow_keras.runtime.trainer import detach_strategy
@@ -19,5 +18,4 @@ __all__ = [
     "attach_strategy",
     "detach_strategy",
     "own_step_reasons",
-    "unsupported_features",
 ]

@@ -7,7 +7,10 @@ equal to plain Keras:
 
 - `substitutes()`: while a step is traced, Keras's TensorFlow backend
   builds `keras.ops.flip` (`ReverseV2`, used by `Bidirectional`) from
-  gathers, which DTensor shards; same values, bit for bit.
+  gathers, which DTensor shards (same values, bit for bit), and runs a
+  dilated convolution (TensorFlow's `SpaceToBatchND`/`BatchToSpaceND`)
+  as a plain one whose kernel has the holes written in as zeros (same
+  values up to the order of float sums).
 - `enable()`: DTensor has a per-op switch to run such an op
 with every input and output replicated (each device computes the whole
 op; the inputs are all-gathered first): the environment variable
@@ -23,11 +26,13 @@ simulator does not price yet.
 """
 
 import contextlib
+import inspect
 import os
 from collections.abc import Iterator
 from typing import Any
 
 import tensorflow as tf
+from keras.src.backend.tensorflow import nn as tf_nn
 from keras.src.backend.tensorflow import numpy as tf_numpy
 
 # op name -> the layers that emit it (for the docs and messages).
@@ -65,13 +70,64 @@ def flip_by_gather(x: Any, axis: Any = None) -> tf.Tensor:
     return x
 
 
+def dilate_kernel(kernel: Any, rates: tuple[int, ...]) -> tf.Tensor:
+    """A convolution kernel (spatial dims first, as Keras keeps them)
+    with `rate - 1` zeros between taps along each spatial dim."""
+    kernel = tf.convert_to_tensor(kernel)
+    for axis, rate in enumerate(rates):
+        if rate == 1:
+            continue
+        shape = kernel.shape.as_list()
+        taps = shape[axis]
+        padding = [[0, 0]] * (len(shape) + 1)
+        padding[axis + 1] = [0, rate - 1]
+        spread = tf.pad(tf.expand_dims(kernel, axis + 1), padding)
+        merged = shape[:axis] + [taps * rate] + shape[axis + 1:]
+        kernel = tf.reshape(spread, merged)
+        kernel = kernel[(slice(None),) * axis + (
+            slice(0, (taps - 1) * rate + 1),
+        )]
+    return kernel
+
+
+def _undilated(convolution: Any, kernel: str) -> Any:
+    """Keras's backend `convolution`, run with its `kernel` argument
+    dilated and `dilation_rate=1` (Keras passes both by position)."""
+    signature = inspect.signature(convolution)
+
+    def run(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = bound.arguments
+        spatial = len(arguments["inputs"].shape) - 2
+        rate = arguments["dilation_rate"]
+        rates = (rate,) * spatial if isinstance(rate, int) else tuple(rate)
+        if any(r != 1 for r in rates):
+            arguments[kernel] = dilate_kernel(arguments[kernel], rates)
+            arguments["dilation_rate"] = 1
+        return convolution(**arguments)
+
+    return run
+
+
 @contextlib.contextmanager
 def substitutes() -> Iterator[None]:
     """While a DTensor step is traced: Keras ops built from ops that
     DTensor has rules for."""
-    keras_flip = tf_numpy.flip
-    tf_numpy.flip = flip_by_gather
+    saved = [
+        (tf_numpy, "flip", flip_by_gather),
+        (tf_nn, "conv", _undilated(tf_nn.conv, "kernel")),
+        (tf_nn, "depthwise_conv", _undilated(tf_nn.depthwise_conv,
+                                             "kernel")),
+        (tf_nn, "separable_conv", _undilated(tf_nn.separable_conv,
+                                             "depthwise_kernel")),
+    ]
+    saved = [(module, name, getattr(module, name), new)
+             for module, name, new in saved]
+    for module, name, _, new in saved:
+        setattr(module, name, new)
     try:
         yield
     finally:
-        tf_numpy.flip = keras_flip
+        for module, name, old, _ in saved:
+            setattr(module, name, old)

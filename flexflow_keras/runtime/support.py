@@ -1,19 +1,15 @@
-"""What a model needs from the runtime, in words for warnings.
+"""Why a model must run its own training step, in words for warnings.
 
-Two questions, one function each:
+`own_step_reasons`: a step or loss override, losses beyond the compiled
+loss, masks, mixed precision, an optimizer or option only Keras's own
+`apply` runs, a subclassed model. That step runs as one DTensor function
+on one device mesh (`model_step.py`), so such a model's strategies keep
+every op on one mesh. A model with none of these may also use strategies
+over several meshes (`step.py`, Keras's default step layer by layer).
 
-- `unsupported_features`: what no strategy can run on TensorFlow's
-  DTensor (layers whose ops have no DTensor rule, measured: a data
-  parallel fit of a one-layer model on 4 virtual CPUs; ops that can run
-  replicated or be replaced are in `op_rules`); such a model trains as plain
-  Keras on one device, with a warning naming the layer.
-- `own_step_reasons`: why a model must run its own training step (a
-  step or loss override, losses beyond the compiled loss, masks, mixed
-  precision, an optimizer or option only Keras's own `apply` runs). That
-  step runs as one DTensor function on one device mesh
-  (`model_step.py`), so such a model's strategies keep every op on one
-  mesh. A model with none of these may also use strategies over several
-  meshes (`step.py`, Keras's default step layer by layer).
+(Ops DTensor has no rule for run replicated or are replaced:
+`op_rules.py`. An op found missing only when a step is traced hands the
+model to plain Keras: `fallback.py`.)
 """
 
 from typing import Any
@@ -25,22 +21,6 @@ _STEP_METHODS = (
     "train_step", "test_step", "predict_step", "compute_loss",
     "_compute_loss",
 )
-
-
-def unsupported_features(model: Any) -> list[str]:
-    """Why no strategy can train `model` on DTensor; [] if nothing."""
-    reasons = []
-    for layer in model._flatten_layers(include_self=False):
-        name = f"layer '{layer.name}'"
-        dilation = getattr(layer, "dilation_rate", 1)
-        if any(d != 1 for d in (dilation if isinstance(dilation, tuple)
-                                else (dilation,))):
-            reasons.append(
-                f"{name} is a dilated convolution (dilation_rate="
-                f"{dilation}): its SpaceToBatchND op has no DTensor layout "
-                "rule in TensorFlow 2.21"
-            )
-    return reasons
 
 
 def own_step_reasons(model: Any) -> list[str]:
