@@ -317,8 +317,8 @@ def function_of(model: Any) -> Any:
 
 
 def trace_call(model: Any, inputs: Any) -> str | None:
-    """Gives a subclassed model a graph: its `call` run on symbolic
-    inputs. Returns None, or why its call cannot be traced.
+    """Gives a model a graph: its `call` run on symbolic inputs (see
+    `needs_trace`). Returns None, or why its call cannot be traced.
 
     The layers called inside `call()` record their calls, as in a
     functional model, so each becomes an op; inner models are flattened
@@ -348,18 +348,43 @@ def trace_call(model: Any, inputs: Any) -> str | None:
 
 
 def is_traced(model: Any) -> bool:
-    """Whether `model`'s graph comes from `trace_call` (subclassed)."""
+    """Whether `model`'s graph comes from `trace_call`."""
     return "_ff_traced_function" in vars(model)
 
 
+def needs_trace(model: Any) -> bool:
+    """Whether `model`'s graph must come from `trace_call`: a subclassed
+    model (no graph of its own), or a functional or Sequential one whose
+    inputs have unknown non-batch dims (`keras.Input((None,))`: the
+    simulator needs the shapes `fit` feeds)."""
+    if is_traced(model):
+        return False
+    function = _own_function(model)
+    if function is None:
+        return is_subclassed(model)
+    return any(None in tuple(t.shape)[1:] for t in function.inputs)
+
+
+def is_subclassed(model: Any) -> bool:
+    """A Keras model with no functional graph of its own (its `call()`
+    is Python code)."""
+    from keras.src.models.sequential import Sequential
+
+    return not isinstance(model, Sequential) and _own_function(model) is None
+
+
 def _as_function(model: Any) -> Any:
-    """The Keras `Function` behind a model, or None if it has none."""
+    """The Keras `Function` behind a model (its trace, if it has one),
+    or None."""
+    traced = vars(model).get("_ff_traced_function")
+    return traced if traced is not None else _own_function(model)
+
+
+def _own_function(model: Any) -> Any:
+    """The Keras `Function` a model was built as, or None."""
     from keras.src.models.functional import Functional
     from keras.src.models.sequential import Sequential
 
-    traced = vars(model).get("_ff_traced_function")
-    if traced is not None:
-        return traced
     if isinstance(model, Sequential):
         if model._functional is None and model.built is False:
             return None

@@ -22,6 +22,7 @@ from keras.src.models.model import functional_init_arguments
 from keras.src.saving import serialization_lib
 
 from flexflow_keras import settings as settings_lib
+from flexflow_keras.graph import is_subclassed, needs_trace
 from flexflow_keras.runtime import StrategyTrainer
 
 # compile() keywords that are ours, not Keras's.
@@ -82,12 +83,11 @@ class _PlanningModel(StrategyTrainer):
     ) -> Any:
         if getattr(self, "_ff_settings", None) is not None:
             found, x = _peek_batch(x, batch_size)
-            if isinstance(self, Model) and not isinstance(
-                self, KerasFunctional
-            ) and not hasattr(self, "_ff_trace_failure"):
-                self._trace(found)
-            elif not self.built and found.input_shape is not None:
+            if (not self.built and found.input_shape is not None
+                    and not is_subclassed(self)):
                 self.build(found.input_shape)
+            if needs_trace(self) and not hasattr(self, "_ff_trace_failure"):
+                self._trace(found)
             self._ensure_plan(found.batch_size)
         return super().fit(x, y, batch_size, *args, **kwargs)
 
@@ -120,11 +120,11 @@ class _PlanningModel(StrategyTrainer):
         super()._strategy_failed(reason)
 
     def _trace(self, found: "_Peeked") -> None:
-        """A subclassed model's graph: its call traced on inputs shaped
-        like fit's (once; a failure is kept for the warning)."""
-        from flexflow_keras.graph import is_traced, trace_call
+        """The model's graph: its call traced on inputs shaped like fit's
+        (once; a failure is kept for the warning)."""
+        from flexflow_keras.graph import trace_call
 
-        if not is_traced(self) and found.inputs is not None:
+        if found.inputs is not None:
             failure = trace_call(self, found.symbolic_inputs())
             if failure is not None:
                 self._ff_trace_failure = failure

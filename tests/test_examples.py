@@ -61,6 +61,9 @@ class ExampleAccuracyTest(unittest.TestCase):
     def test_distillation(self):
         self.check("distillation", "--epochs", "4")
 
+    def test_bidirectional_lstm(self):
+        self.check("bidirectional_lstm", "--epochs", "3")
+
     @pytest.mark.slow
     def test_cnn(self):
         self.check("cnn", "--epochs", "2")

@@ -41,7 +41,9 @@ from flexflow_keras.runtime import deferred, op_rules
 from flexflow_keras.runtime.fallback import fall_back
 from flexflow_keras.runtime.layouts import OpPlan, replicated
 from flexflow_keras.runtime.unroll import unrolled
-from flexflow_keras.runtime.variables import gather, to_layout
+from flexflow_keras.runtime.variables import (
+    attributes_set, gather, layer_constants, to_layout,
+)
 
 
 def one_mesh(plans: tuple[OpPlan, ...]) -> Any:
@@ -104,6 +106,7 @@ class ModelStepExecutor:
         self._sharded = True  # the batch being traced is split
         self._pairs: list[tuple[Any, Any, Any]] = []  # keras, step, layout
         self._key_map: dict[int, int] = {}  # StepVariable key -> Keras's
+        self._constants: list = []  # layer tensors, copied onto the mesh
         self._functions: dict[tuple, Any] = {}  # (kind, batch) -> step
         self._learning_rates: dict[int, float] = {}
 
@@ -147,6 +150,8 @@ class ModelStepExecutor:
             self._pairs.append((var, step_var, layout))
             self._key_map[step_var._unique_id] = var.value._unique_id
             added = True
+        if not self._constants:
+            self._constants = layer_constants(self.model, self.mesh)
         return added
 
     def _build(self, data: Any) -> None:
@@ -215,7 +220,8 @@ class ModelStepExecutor:
         _ACTIVE.append(self)
         tf_core.cond = deferred.select_cond(step_vars)
         try:
-            with deferred.deferring(step_vars), op_rules.substitutes():
+            with deferred.deferring(step_vars), op_rules.substitutes(), \
+                    attributes_set(self._constants):
                 yield
         finally:
             tf_core.cond = keras_cond
@@ -292,7 +298,9 @@ class ModelStepExecutor:
         step = getattr(self.model, f"{kind}_step")
 
         def traced_once() -> Any:
-            @tf.function
+            # No AutoGraph, as Keras traces its own steps (so a step runs
+            # as it does in Keras), and no converted-call cache to go stale.
+            @tf.function(autograph=False)
             def traced(data):
                 self._sharded = batch == self.graph.batch_size
                 with self._realized():

@@ -44,6 +44,9 @@ REPLICATED_OPS = {
     "DepthwiseConv2dNativeBackpropInput": (
         "DepthwiseConv1D/2D, SeparableConv1D/2D (input gradient)"
     ),
+    "ImageProjectiveTransformV3": (
+        "RandomRotation, RandomZoom, RandomTranslation, RandomShear"
+    ),
 }
 
 _PREFIX = "DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_TF."

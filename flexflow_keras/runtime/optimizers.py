@@ -1,13 +1,17 @@
-"""Keras 3 optimizer update rules on DVariables, formula for formula.
+"""Optimizer update rules on DVariables for the layer-by-layer step.
 
-Keras's TensorFlow optimizer cannot update DVariables (`stateless_apply`
-is not supported on TF; swapping backing variables drifted for Adam), so
-the update rules of SGD (momentum, nesterov), Adam (amsgrad), AdamW,
-RMSprop (momentum, centered) and Adagrad are written here with the same
+Only `step.Executor` (strategies over several meshes) uses these: its
+backward functions, one per segment, each update their own weights, so
+Keras's `apply` (one call over every weight) cannot run there. On one
+mesh the model's own step runs Keras's optimizer itself
+(`model_step.py`). The rules of SGD (momentum, nesterov), Adam (amsgrad),
+AdamW, RMSprop (momentum, centered) and Adagrad are written with the same
 operation order as `keras/src/optimizers/*.py`. Learning rate and step
 come in each step from the Keras optimizer, so schedules and callbacks
-that set `optimizer.learning_rate` take effect. Other optimizers or
-options raise `NotImplementedError` at attach time.
+that set `optimizer.learning_rate` take effect. A model with another
+optimizer or option plans on one mesh (`support.own_step_reasons`);
+attached by hand over several meshes, it raises `NotImplementedError` at
+the first step.
 """
 
 from typing import Any

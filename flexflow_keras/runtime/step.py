@@ -27,7 +27,9 @@ from flexflow_keras.runtime.fallback import fall_back
 from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.layouts import replicated, segments
 from flexflow_keras.runtime.optimizers import Updater
-from flexflow_keras.runtime.variables import VariableStore, layer_variables
+from flexflow_keras.runtime.variables import (
+    VariableStore, attributes_set, layer_constants, layer_variables,
+)
 
 
 def _to_mesh(value: Any, mesh: Any) -> Any:
@@ -54,7 +56,7 @@ def _batch_relaxed(python_function):
     its per-output loss trackers get `sample_weight=None`: a plain mean
     over batches. Tracing with a None batch keeps that quirk identical.
     """
-    function = tf.function(python_function)
+    function = tf.function(python_function, autograph=False)
     traced = set()
 
     def spec(value):
@@ -122,6 +124,10 @@ class Executor:
             self.trainable = []
             return
         self.store = VariableStore(self.plans)
+        self._constants = {
+            id(plan): layer_constants(plan.op.layer, plan.mesh)
+            for plan in self.plans
+        }
         self._check_shared_weights()
         known = {id(v) for v in self.store.keras_variables()}
         self.trainable = [
@@ -209,7 +215,8 @@ class Executor:
             with StatelessScope(
                 state_mapping=mapping, collect_losses=True
             ) as scope:
-                with unrolled(layer), op_rules.substitutes():
+                with unrolled(layer), op_rules.substitutes(), \
+                        attributes_set(self._constants[id(plan)]):
                     out = layer(*args, **kwargs)
             if scope.losses:
                 # Kept here too: tf.function re-raises with its traceback
@@ -252,7 +259,7 @@ class Executor:
     def _make_forward(self, index, training, sharded, batch):
         seg = self.segments[index]
 
-        @tf.function
+        @tf.function(autograph=False)
         def forward(inputs):
             values = dict(zip(seg.inputs, inputs))
             self._run_segment(seg, values, training, sharded)
@@ -269,7 +276,7 @@ class Executor:
         seg = self.segments[index]
         dvars = self._seg_dvars(seg)
 
-        @tf.function
+        @tf.function(autograph=False)
         def backward(inputs, out_grads, hyper):
             floats = [x for x in inputs if _is_float(x)]
             with tf.GradientTape() as tape:

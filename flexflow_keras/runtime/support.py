@@ -26,10 +26,10 @@ _STEP_METHODS = (
 def own_step_reasons(model: Any) -> list[str]:
     """Why `model` must run its own training step; [] if Keras's default
     step, layer by layer, computes exactly what it does."""
-    from flexflow_keras.graph import is_traced
+    from flexflow_keras.graph import is_subclassed
     from flexflow_keras.runtime.optimizers import check_supported
 
-    reasons = ["it is a subclassed model"] if is_traced(model) else []
+    reasons = ["it is a subclassed model"] if is_subclassed(model) else []
     reasons += [
         f"it overrides {method}"
         for method in _STEP_METHODS

@@ -3,7 +3,10 @@
 Put it before `keras.Model` in the bases (`class Model(StrategyTrainer,
 keras.Model)`). Keras's TensorFlow trainer keeps driving epochs, data
 adapters, callbacks and History; only `make_{train,test,predict}_function`
-change, to run the strategy's DTensor steps once one is attached.
+change, to run the strategy's DTensor steps once one is attached: the
+model's own step on one mesh (`model_step.py`), Keras's default step layer
+by layer over several meshes (`step.py`), Keras's step pinned to a device
+when the strategy uses one.
 
 Weight sync (decided): the DVariables hold the truth while training. They
 are copied into the Keras variables at every epoch end (before any other

@@ -6,6 +6,8 @@ copies Keras values in (before running), `pull` gathers them back (at
 epoch end, after fit, before get_weights / save).
 """
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -26,6 +28,38 @@ def gather(value: Any) -> tf.Tensor:
     layout = dtensor.fetch_layout(value)
     full = dtensor.relayout(value, replicated(layout.mesh, layout.rank))
     return dtensor.unpack(full)[0]
+
+
+def layer_constants(layer: Any, mesh: Any) -> list[tuple[Any, str, Any]]:
+    """(layer, attribute, replicated DTensor copy) for each tensor a layer
+    or its sublayers keep as a plain attribute (Normalization's `mean`
+    and `variance`, say). Eager, before tracing: DTensor refuses a
+    captured regular tensor larger than a scalar in a step."""
+    found = []
+    for each in layer._flatten_layers() if hasattr(
+        layer, "_flatten_layers"
+    ) else [layer]:
+        for name, value in list(vars(each).items()):
+            if (isinstance(value, tf.Tensor) and value.shape.rank
+                    and value.dtype != tf.string
+                    and not dtensor.is_dtensor(value)):
+                found.append((each, name, to_layout(
+                    value, replicated(mesh, value.shape.rank)
+                )))
+    return found
+
+
+@contextlib.contextmanager
+def attributes_set(changes: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Sets `object.name = value` for each change, and back after."""
+    saved = [(obj, name, vars(obj)[name]) for obj, name, _ in changes]
+    for obj, name, value in changes:
+        object.__setattr__(obj, name, value)
+    try:
+        yield
+    finally:
+        for obj, name, value in saved:
+            object.__setattr__(obj, name, value)
 
 
 def layer_variables(layer: Any) -> tuple[list, list]:
