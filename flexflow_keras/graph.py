@@ -323,28 +323,54 @@ def trace_call(model: Any, inputs: Any) -> str | None:
     The layers called inside `call()` record their calls, as in a
     functional model, so each becomes an op; inner models are flattened
     as usual. The model still runs its own `call()` (and step); the
-    graph only names the layer calls a strategy places.
+    graph only names the layer calls a strategy places. A model without
+    a `call()` (a VAE whose `train_step` calls its encoder and decoder)
+    gets the graphs of the functional models it holds, side by side.
 
     Args:
-        model: A subclassed Keras model.
+        model: A Keras model.
         inputs: `keras.Input`s (any structure) shaped like `fit`'s data.
     """
     import inspect
 
     import keras
 
-    kwargs = {}
-    if "training" in inspect.signature(model.call).parameters:
-        kwargs["training"] = False
     try:
-        outputs = model.call(inputs, **kwargs)
-        function = keras.Model(inputs, outputs, name=model.name)
+        if type(model).call is keras.Model.call:
+            function = _inner_models(model)
+        else:
+            kwargs = {}
+            if "training" in inspect.signature(model.call).parameters:
+                kwargs["training"] = False
+            outputs = model.call(inputs, **kwargs)
+            function = keras.Model(inputs, outputs, name=model.name)
     except Exception as error:  # noqa: BLE001 - any failure: no graph
         return f"{type(error).__name__}: {error}"
     # Not through Keras's __setattr__: the trace must not become a
     # tracked sublayer (weights, saving) of the model.
     object.__setattr__(model, "_ff_traced_function", function)
     return None
+
+
+def _inner_models(model: Any) -> Any:
+    """One functional model over the functional models `model` holds."""
+    import keras
+
+    parts = [
+        _own_function(layer)
+        for layer in model._flatten_layers(include_self=False,
+                                           recursive=False)
+    ]
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        raise ValueError(
+            "it has no call() and holds no functional or Sequential model"
+        )
+    return keras.Model(
+        [t for p in parts for t in p.inputs],
+        [t for p in parts for t in p.outputs],
+        name=model.name,
+    )
 
 
 def is_traced(model: Any) -> bool:

@@ -159,6 +159,42 @@ def build_distiller(mod):
     return model, (x, y)
 
 
+def build_train_step_without_call(mod):
+    """An autoencoder as keras.io's VAE is written: no `call()`, a
+    `train_step` that calls its encoder and decoder models."""
+
+    class AutoEncoder(mod.Model):
+        def __init__(self, encoder, decoder):
+            super().__init__()
+            self.encoder, self.decoder = encoder, decoder
+            self.loss_tracker = keras.metrics.Mean(name="loss")
+
+        @property
+        def metrics(self):
+            return [self.loss_tracker]
+
+        def train_step(self, data):
+            import tensorflow as tf
+
+            with tf.GradientTape() as tape:
+                code = self.encoder(data)
+                loss = keras.ops.mean(
+                    keras.ops.square(self.decoder(code) - data)
+                )
+            grads = tape.gradient(loss, self.trainable_weights)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+            self.loss_tracker.update_state(loss)
+            return {"loss": self.loss_tracker.result()}
+
+    def dense_model(width_in, width_out):
+        inputs = mod.Input((width_in,))
+        return mod.Model(inputs, mod.layers.Dense(width_out)(inputs))
+
+    model = AutoEncoder(dense_model(8, 4), dense_model(4, 8))
+    model.compile(optimizer="adam")
+    return model, (_dense_data()[0], None)
+
+
 def build_add_loss(mod):
     return _mlp(mod, layer=_Chain(
         mod.layers.Dense(16, activation="relu"), AddsLoss())
@@ -298,6 +334,7 @@ OPTION_CASES = {
 
 FEATURES = {
     "train_step": build_train_step,
+    "train_step_without_call": build_train_step_without_call,
     "distiller_compute_loss": build_distiller,
     "add_loss": build_add_loss,
     "add_loss_fixed_batch_reshape": build_add_loss_fixed_batch,
@@ -311,7 +348,7 @@ FEATURES = {
     **{n: optimizer_case(c) for n, c in OPTION_CASES.items()},
 }
 FAST = (
-    "train_step", "distiller_compute_loss", "add_loss", "regularizers",
+    "train_step", "train_step_without_call", "distiller_compute_loss", "add_loss", "regularizers",
     "mask_zero_lstm", "no_compiled_loss", "optimizer_Nadam",
     "adam_gradient_accumulation",
 )

@@ -15,14 +15,17 @@ _NO_DTENSOR_RULE = re.compile(
 
 
 def fall_back(
-    model: Any, kind: str, error: Exception, data: Any, half_done: bool
+    model: Any, kind: str, error: Exception, data: Any, half_done: bool,
+    first_run: bool = False,
 ) -> Any:
     """Plain Keras from now on, starting with `data`, if `error` is
-    DTensor lacking a rule for some op; else re-raises it.
+    DTensor lacking a rule for some op, or the first run of a step
+    failed in DTensor (`first_run`); else re-raises it.
 
     No value was changed by the failed step, and detaching copies out
     what earlier steps trained (weights and optimizer state), so Keras
-    goes on from exactly there.
+    goes on from exactly there (and raises the error itself, if it was
+    not DTensor's).
 
     Args:
         model: The `StrategyTrainer` model.
@@ -31,10 +34,22 @@ def fall_back(
         data: The batch (an iterator of batches) to redo in Keras.
         half_done: Whether part of this training step already updated
             weights (several meshes): then it cannot be redone.
+        first_run: Whether this was the step function's first run (one
+            function whose writes come at its end: all or nothing).
     """
     found = _NO_DTENSOR_RULE.search(str(error))
-    if found is None:
+    if found is None and not first_run:
         raise error
+    if found is None:
+        first_line = str(error).strip().splitlines()[0][:300]
+        model._strategy_failed(
+            f"Model '{model.name}' trains as plain Keras on one device "
+            "from now on: TensorFlow's DTensor could not run its first "
+            f"{kind} step under the strategy ({type(error).__name__}: "
+            f"{first_line}). Results are those of plain Keras."
+        )
+        getattr(model, f"make_{kind}_function")(force=True)
+        return getattr(model, f"{kind}_function")(data)
     if kind == "train" and half_done:
         # Later segments already applied this step: redoing it in
         # Keras would apply it twice to them.

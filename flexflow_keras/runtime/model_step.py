@@ -160,8 +160,15 @@ class ModelStepExecutor:
         model = self.model
         if getattr(self, "_built", False):
             return
-        model._symbolic_build(data_batch=data)
         self._built = True
+        try:
+            model._symbolic_build(data_batch=data)
+        except Exception:  # noqa: BLE001 - e.g. a model without call()
+            # Keras builds the rest in the first trace; the variables it
+            # makes there are realized and the step traced again.
+            optimizer = getattr(model, "optimizer", None)
+            if optimizer is not None and not optimizer.built:
+                optimizer.build(model.trainable_variables)
 
     def sync_in(self) -> None:
         """Keras values -> StepVariables, unless those are newer."""
@@ -345,6 +352,11 @@ class ModelStepExecutor:
             self.dirty = True
         return tree.map_structure(_regular, outputs)
 
+    def _first_run(self, kind: str, data: Any) -> bool:
+        """Whether a step of `kind` for this batch size has not run yet
+        (its function is made on its first run)."""
+        return (kind, _batch_of(data)) not in self._functions
+
     def make_function(self, kind: str) -> Any:
         """`train_function(iterator)` / `test_function(iterator)` /
         `predict_function(data)` with the contract of Keras's TF trainer.
@@ -358,10 +370,13 @@ class ModelStepExecutor:
             def predict_function(data):
                 outputs = None
                 for batch in data:
+                    first = self._first_run("predict", batch)
                     try:
                         out = self.run("predict", batch)
                     except tf.errors.OpError as error:
-                        return fall_back(model, kind, error, data, False)
+                        return fall_back(
+                            model, kind, error, data, False, first
+                        )
                     outputs = out if outputs is None else tree.map_structure(
                         lambda a, b: tf.concat([a, b], 0), outputs, out
                     )
@@ -378,11 +393,12 @@ class ModelStepExecutor:
                     if logs is None:
                         raise StopIteration
                     break
+                first = self._first_run(kind, data)
                 try:
                     logs = self.run(kind, data)
                 except tf.errors.OpError as error:
                     return fall_back(
-                        model, kind, error, iter([data]), False
+                        model, kind, error, iter([data]), False, first
                     )
             return logs
 
