@@ -129,15 +129,6 @@ class _PlanningModel(StrategyTrainer):
             if failure is not None:
                 self._ff_trace_failure = failure
 
-    def _strategy_needs_own_step(self, reason: str) -> None:
-        # Found when the layer-by-layer step was first traced (a layer's
-        # add_loss): plan again on one mesh, where the model's own step
-        # runs, before any step changed a value.
-        self._ff_own_step = reason
-        batch_size = self._ff_plan.graph.batch_size
-        self._ff_plans, self._ff_plan = {}, None
-        self._ensure_plan(batch_size)
-
     def _ensure_plan(self, batch_size: int) -> None:
         """Plans for `batch_size` once, then attaches it to the runtime."""
         from flexflow_keras import planner, runtime
@@ -150,9 +141,7 @@ class _PlanningModel(StrategyTrainer):
             return
         plan = self._ff_plans.get(batch_size)
         if plan is None:
-            own_step = getattr(self, "_ff_own_step", None) or "; ".join(
-                runtime.own_step_reasons(self)
-            )
+            own_step = "; ".join(runtime.own_step_reasons(self))
             plan = planner.make_plan(
                 self, batch_size, self._ff_settings,
                 optimizer=getattr(self, "optimizer", None),

@@ -85,11 +85,8 @@ def make_plan(
     sim = simulator.Simulator(
         graph, machine, optimizer_slots=optimizer_slots(optimizer)
     )
-    shared = [op.name for op in graph if op.shares_weights_with]
-    if one_mesh_reason is None and shared:
-        # Over several meshes a shared layer's calls would update its
-        # weights once each (runtime.step); on one mesh, once.
-        one_mesh_reason = f"ops {shared} call a shared layer again"
+    if one_mesh_reason is None:
+        one_mesh_reason = _one_mesh_reason(graph)
     parts = None
     if one_mesh_reason is not None:
         parts = search_space.one_mesh_devices(graph, num_devices)
@@ -130,6 +127,31 @@ def make_plan(
         step_ms=sim.simulate(plan.strategy).step_ms,
         per_op_ms=per_op_ms(graph, plan.strategy, sim.cost),
     )
+
+
+def _one_mesh_reason(graph: OpGraph) -> str | None:
+    """Why `graph`'s strategies must keep one mesh, beyond the model's
+    own step (`runtime.own_step_reasons`), or None.
+
+    - A shared layer's later calls: over several meshes each call's
+      segment would update the layer's weights (`runtime.step`).
+    - Layers of the user's own code (custom classes, `Lambda`): which
+      TensorFlow ops they run is known only when a step is traced, and
+      on one mesh a missing DTensor rule hands the model to plain Keras
+      before anything changed, while over several meshes it could stop
+      a step half-way.
+    """
+    shared = [op.name for op in graph if op.shares_weights_with]
+    if shared:
+        return f"ops {shared} call a shared layer again"
+    custom = [
+        op.name for op in graph
+        if op.type == "Lambda"
+        or not type(op.layer).__module__.startswith("keras.")
+    ]
+    if custom:
+        return f"ops {custom} run code of the script's own layers"
+    return None
 
 
 def _imported(

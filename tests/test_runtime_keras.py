@@ -258,6 +258,31 @@ class RuntimeKerasTest(unittest.TestCase):
         with self.assertRaisesRegex(NotImplementedError, "Nadam.*|.*SGD"):
             model.fit(x, y, **FIT)
 
+    def test_add_loss_over_several_meshes_hands_over_to_keras(self):
+        # compile() plans such a model on one mesh (its own step); a
+        # strategy over several meshes attached by hand finds the
+        # add_loss when its layer-by-layer step is first traced.
+        def build():
+            keras.utils.set_random_seed(5)
+            inputs = keras.Input((8,))
+            h = keras.layers.ActivityRegularization(l2=0.1)(
+                keras.layers.Dense(4)(inputs)
+            )
+            return inputs, keras.layers.Dense(4)(h)
+
+        model = support.StrategyModel(*build())
+        plain = keras.Model(*build())
+        for m in (model, plain):
+            m.compile("sgd", "mse")
+        support.attach(model, support.placement, 8)
+        rng = np.random.default_rng(0)
+        x = rng.random((16, 8), dtype=np.float32)
+        y = rng.random((16, 4), dtype=np.float32)
+        with self.assertWarnsRegex(UserWarning, "calls add_loss"):
+            history = model.fit(x, y, **FIT)
+        self.assertIsNone(model.strategy_executor)
+        self.assert_histories_equal(history, plain.fit(x, y, **FIT))
+
     def test_detach_returns_to_plain_keras(self):
         ref, model = pair()
         x, y = support.MODELS["mlp"][1](16)

@@ -492,8 +492,9 @@ class Executor:
         return function
 
     def _to_own_step(self, kind: str, data: Any) -> Any:
-        """The model plans again for its own step (one mesh) and runs
-        `data` there. Found at the first trace: nothing was updated."""
+        """What only the model's own step counts was found at the first
+        trace, before anything was updated: the model says so and runs
+        `data` as it runs from now on."""
         model = self.model
         model._strategy_needs_own_step(self.own_step_reason)
         getattr(model, f"make_{kind}_function")(force=True)

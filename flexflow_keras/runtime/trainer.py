@@ -125,12 +125,13 @@ class StrategyTrainer:
 
     def _strategy_needs_own_step(self, reason: str) -> None:
         """The strategy's layer-by-layer step would drop what `reason`
-        names. A model that plans (`models.Model`) plans again on one
-        mesh; this bare mixin has no planner, so trains as plain Keras."""
+        names (compile() plans such models on one mesh; a strategy
+        attached by hand may still meet it): plain Keras from here."""
         self._strategy_failed(
             f"Model '{self.name}' trains as plain Keras on one device: "
             f"{reason}, which only its own step counts, and its strategy "
-            "spans several device meshes."
+            "spans several device meshes. Give every op the same "
+            "device_ids to run its own step under the strategy."
         )
 
     @property
