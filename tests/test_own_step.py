@@ -412,6 +412,75 @@ class OwnStepTest(unittest.TestCase):
         self.assertIn("penalty", logs)  # only the user's step returns it
 
 
+    def test_gan_with_two_optimizers_and_stateful_random(self):
+        # keras.io's GAN pattern: no call(), a custom compile with two
+        # optimizers, tf.random.uniform label noise, concatenation of
+        # fake and real batches. Random, so checked for running under
+        # the strategy, not for Keras's values.
+        import tensorflow as tf
+
+        def mlp(width_in, width_out, name):
+            return fk.Sequential([
+                fk.Input((width_in,)), fk.layers.Dense(16, activation="relu"),
+                fk.layers.Dense(width_out),
+            ], name=name)
+
+        class GAN(fk.Model):
+            def __init__(self):
+                super().__init__()
+                self.discriminator = mlp(8, 1, "discriminator")
+                self.generator = mlp(4, 8, "generator")
+                self.seed_generator = keras.random.SeedGenerator(1)
+
+            def compile(self, d_optimizer, g_optimizer, **kwargs):
+                super().compile(**kwargs)
+                self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+                self.loss_fn = keras.losses.BinaryCrossentropy(
+                    from_logits=True
+                )
+
+            def train_step(self, real):
+                batch = keras.ops.shape(real)[0]
+                noise = keras.random.normal((batch, 4),
+                                            seed=self.seed_generator)
+                both = keras.ops.concatenate([self.generator(noise), real])
+                labels = keras.ops.concatenate(
+                    [keras.ops.ones((batch, 1)), keras.ops.zeros((batch, 1))]
+                )
+                labels += 0.05 * tf.random.uniform(tf.shape(labels))
+                with tf.GradientTape() as tape:
+                    d_loss = self.loss_fn(labels, self.discriminator(both))
+                weights = self.discriminator.trainable_weights
+                self.d_optimizer.apply_gradients(
+                    zip(tape.gradient(d_loss, weights), weights)
+                )
+                with tf.GradientTape() as tape:
+                    fake = self.discriminator(self.generator(noise))
+                    g_loss = self.loss_fn(keras.ops.zeros((batch, 1)), fake)
+                weights = self.generator.trainable_weights
+                self.g_optimizer.apply_gradients(
+                    zip(tape.gradient(g_loss, weights), weights)
+                )
+                return {"d_loss": d_loss, "g_loss": g_loss}
+
+        gan = GAN()
+        with SEARCH:
+            gan.compile(keras.optimizers.Adam(), keras.optimizers.Adam())
+        data = np.random.default_rng(0).random((SAMPLES, 8)).astype("float32")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            logs = gan.fit(data, batch_size=BATCH, epochs=2, verbose=0)
+        self.assertEqual([str(w.message) for w in caught
+                          if "plain Keras" in str(w.message)], [])
+        self.assertIsInstance(
+            gan.strategy_executor, model_step.ModelStepExecutor
+        )
+        self.assertTrue(np.all(np.isfinite(logs.history["d_loss"])))
+        steps = EPOCHS * SAMPLES // BATCH
+        self.assertEqual(int(gan.d_optimizer.iterations.numpy()), steps)
+        self.assertEqual(int(gan.g_optimizer.iterations.numpy()), steps)
+
+
 @pytest.mark.slow
 class OwnStepMatrixTest(unittest.TestCase):
     def test_every_feature_and_optimizer(self):

@@ -34,6 +34,7 @@ import tensorflow as tf
 from keras import tree
 from keras.src.backend.tensorflow import core as tf_core
 from keras.src.ops.operation import Operation
+from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.trainers.data_adapters import data_adapter_utils
 from tensorflow.experimental import dtensor
 
@@ -107,6 +108,7 @@ class ModelStepExecutor:
         self._pairs: list[tuple[Any, Any, Any]] = []  # keras, step, layout
         self._key_map: dict[int, int] = {}  # StepVariable key -> Keras's
         self._constants: list = []  # layer tensors, copied onto the mesh
+        self._random_state = None  # [seed, counter] of stateful tf.random
         self._functions: dict[tuple, Any] = {}  # (kind, batch) -> step
         self._learning_rates: dict[int, float] = {}
 
@@ -152,6 +154,11 @@ class ModelStepExecutor:
             added = True
         if not self._constants:
             self._constants = layer_constants(self.model, self.mesh)
+        if self._random_state is None:  # for `op_rules.stateless_random`
+            seed = np.array([np.random.randint(2**31), 0], np.int64)
+            self._random_state = deferred.StepVariable(
+                to_layout(seed, replicated(self.mesh, 1)), trainable=False
+            )
         return added
 
     def _build(self, data: Any) -> None:
@@ -214,8 +221,9 @@ class ModelStepExecutor:
     @contextlib.contextmanager
     def _realized(self) -> Iterator[None]:
         """While tracing: Keras variables read and write StepVariables,
-        layer calls take their op's layouts, `ops.cond` selects."""
-        step_vars = [s for _, s, _ in self._pairs]
+        layer calls take their op's layouts, `ops.cond` selects, ops
+        DTensor cannot run are replaced (`op_rules`)."""
+        step_vars = [s for _, s, _ in self._pairs] + [self._random_state]
         saved = [(k, k._value) for k, _, _ in self._pairs]
         keys = []
         for optimizer in _optimizers(self.model):
@@ -227,7 +235,8 @@ class ModelStepExecutor:
         _ACTIVE.append(self)
         tf_core.cond = deferred.select_cond(step_vars)
         try:
-            with deferred.deferring(step_vars), op_rules.substitutes(), \
+            with deferred.deferring(step_vars), op_rules.substitutes(self.mesh), \
+                    op_rules.stateless_random(self._random_state), \
                     attributes_set(self._constants):
                 yield
         finally:
@@ -466,9 +475,11 @@ def _matching_plan(plans: list[OpPlan], leaves: list) -> OpPlan:
 
 
 def _optimizers(model: Any) -> list:
-    """The model's optimizer and those it wraps (a LossScaleOptimizer's
-    inner one, a MultiOptimizer's per-variable ones)."""
+    """The model's optimizers: `model.optimizer`, any other a custom
+    `compile` keeps as an attribute (a GAN's `d_optimizer`), and those
+    they wrap (a LossScaleOptimizer's inner one, a MultiOptimizer's)."""
     found, todo = [], [getattr(model, "optimizer", None)]
+    todo += [v for v in vars(model).values() if isinstance(v, BaseOptimizer)]
     while todo:
         optimizer = todo.pop()
         if optimizer is None or any(optimizer is f for f in found):

@@ -5,12 +5,19 @@ TensorFlow 2.21's DTensor has no SPMD rule for some ops that Keras layers
 emit, mostly in their gradients. Two remedies, each measured to train
 equal to plain Keras:
 
-- `substitutes()`: while a step is traced, Keras's TensorFlow backend
-  builds `keras.ops.flip` (`ReverseV2`, used by `Bidirectional`) from
-  gathers, which DTensor shards (same values, bit for bit), and runs a
+- `substitutes(mesh)`: while a step is traced, Keras's TensorFlow
+  backend builds `keras.ops.flip` (`ReverseV2`, used by `Bidirectional`)
+  from gathers, which DTensor shards (same values, bit for bit); runs a
   dilated convolution (TensorFlow's `SpaceToBatchND`/`BatchToSpaceND`)
   as a plain one whose kernel has the holes written in as zeros (same
-  values up to the order of float sums).
+  values up to the order of float sums); and gathers the concat axis of
+  `keras.ops.concatenate`'s inputs first (DTensor refuses to concatenate
+  along a split dim: a GAN joining fake and real batches).
+- `stateless_random(state)`: TensorFlow's stateful random ops
+  (`tf.random.uniform/normal/truncated_normal` in a script's own step,
+  as in keras.io's GAN examples) are refused by DTensor; while a step is
+  traced they draw from their stateless twins, seeded from a counter
+  variable on the mesh. (Random values cannot equal Keras's anyway.)
 - `enable()`: DTensor has a per-op switch to run such an op
 with every input and output replicated (each device computes the whole
 op; the inputs are all-gathered first): the environment variable
@@ -32,6 +39,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 from keras.src.backend.tensorflow import nn as tf_nn
 from keras.src.backend.tensorflow import numpy as tf_numpy
 
@@ -113,12 +121,34 @@ def _undilated(convolution: Any, kernel: str) -> Any:
     return run
 
 
+def _concatenate_on(mesh: Any, keras_concatenate: Any) -> Any:
+    """Keras's `concatenate`, its inputs' concat axis unsplit first."""
+
+    def concatenate(xs, axis=0):
+        xs = [tf.convert_to_tensor(x) for x in xs]
+        rank = xs[0].shape.rank
+        specs = [dtensor.MATCH] * rank
+        specs[axis % rank] = dtensor.UNSHARDED
+        layout = dtensor.Layout(specs, mesh)
+        joined = keras_concatenate(
+            [dtensor.relayout(x, layout) for x in xs], axis=axis
+        )
+        # Pinned too: DTensor's propagation would otherwise give it the
+        # layout its consumer wants, split along the concat axis.
+        return dtensor.relayout(joined, layout)
+
+    return concatenate
+
+
 @contextlib.contextmanager
-def substitutes() -> Iterator[None]:
-    """While a DTensor step is traced: Keras ops built from ops that
-    DTensor has rules for."""
+def substitutes(mesh: Any) -> Iterator[None]:
+    """While a DTensor step on `mesh` is traced: Keras ops built from
+    ops that DTensor has rules for."""
     saved = [
         (tf_numpy, "flip", flip_by_gather),
+        (tf_numpy, "concatenate", _concatenate_on(
+            mesh, tf_numpy.concatenate
+        )),
         (tf_nn, "conv", _undilated(tf_nn.conv, "kernel")),
         (tf_nn, "depthwise_conv", _undilated(tf_nn.depthwise_conv,
                                              "kernel")),
@@ -134,3 +164,45 @@ def substitutes() -> Iterator[None]:
     finally:
         for module, name, old, _ in saved:
             setattr(module, name, old)
+
+
+@contextlib.contextmanager
+def stateless_random(state: Any) -> Iterator[None]:
+    """While a DTensor step is traced: `tf.random.uniform`, `normal` and
+    `truncated_normal` draw statelessly, each call with the next seed of
+    `state` (an int64 `[seed, counter]` variable whose writes are
+    deferred to the step's end: `deferred.StepVariable`)."""
+
+    def next_seed():
+        seed = state.read_value()
+        state.assign(seed + tf.constant([0, 1], tf.int64))
+        return seed
+
+    def uniform(shape, minval=0, maxval=None, dtype=tf.float32, seed=None,
+                name=None):
+        return tf.random.stateless_uniform(
+            shape, next_seed(), minval, maxval, dtype, name=name
+        )
+
+    def normal(shape, mean=0.0, stddev=1.0, dtype=tf.float32, seed=None,
+               name=None):
+        return tf.random.stateless_normal(
+            shape, next_seed(), mean, stddev, dtype, name=name
+        )
+
+    def truncated_normal(shape, mean=0.0, stddev=1.0, dtype=tf.float32,
+                         seed=None, name=None):
+        return tf.random.stateless_truncated_normal(
+            shape, next_seed(), mean, stddev, dtype, name=name
+        )
+
+    replaced = {"uniform": uniform, "normal": normal,
+                "truncated_normal": truncated_normal}
+    saved = {name: getattr(tf.random, name) for name in replaced}
+    for name, function in replaced.items():
+        setattr(tf.random, name, function)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(tf.random, name, function)

@@ -215,7 +215,7 @@ class Executor:
             with StatelessScope(
                 state_mapping=mapping, collect_losses=True
             ) as scope:
-                with unrolled(layer), op_rules.substitutes(), \
+                with unrolled(layer), op_rules.substitutes(plan.mesh), \
                         attributes_set(self._constants[id(plan)]):
                     out = layer(*args, **kwargs)
             if scope.losses:
