@@ -40,6 +40,7 @@ from tensorflow.experimental import dtensor
 
 from flexflow_keras.runtime import deferred, op_rules
 from flexflow_keras.runtime.fallback import fall_back
+from flexflow_keras.runtime.keras_functions import keras_function
 from flexflow_keras.runtime.layouts import OpPlan, replicated
 from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.variables import (
@@ -110,6 +111,7 @@ class ModelStepExecutor:
         self._constants: list = []  # layer tensors, copied onto the mesh
         self._random_state = None  # [seed, counter] of stateful tf.random
         self._functions: dict[tuple, Any] = {}  # (kind, batch) -> step
+        self._ran: set[tuple] = set()  # (kind, batch) of steps that ran
         self._learning_rates: dict[int, float] = {}
 
     # -- variables ----------------------------------------------------------
@@ -357,61 +359,25 @@ class ModelStepExecutor:
         if kind == "train":
             self._push_learning_rates()
         outputs = function(self._on_mesh(data))
+        self._ran.add((kind, _batch_of(data)))
         if kind == "train":
             self.dirty = True
         return tree.map_structure(_regular, outputs)
 
-    def _first_run(self, kind: str, data: Any) -> bool:
-        """Whether a step of `kind` for this batch size has not run yet
-        (its function is made on its first run)."""
-        return (kind, _batch_of(data)) not in self._functions
-
     def make_function(self, kind: str) -> Any:
-        """`train_function(iterator)` / `test_function(iterator)` /
-        `predict_function(data)` with the contract of Keras's TF trainer.
+        """`model.{kind}_function` (`keras_functions.keras_function`)."""
+        return keras_function(self.model, kind, self.run, self._failed)
 
-        A TensorFlow op with no DTensor rule (found when a step is first
-        traced) hands the model back to plain Keras (`fall_back`).
-        """
-        model = self.model
-        if kind == "predict":
-
-            def predict_function(data):
-                outputs = None
-                for batch in data:
-                    first = self._first_run("predict", batch)
-                    try:
-                        out = self.run("predict", batch)
-                    except tf.errors.OpError as error:
-                        return fall_back(
-                            model, kind, error, data, False, first
-                        )
-                    outputs = out if outputs is None else tree.map_structure(
-                        lambda a, b: tf.concat([a, b], 0), outputs, out
-                    )
-                return outputs
-
-            return predict_function
-
-        def function(iterator):
-            logs = None
-            for _ in range(model.steps_per_execution):
-                try:
-                    data = next(iterator)
-                except (StopIteration, tf.errors.OutOfRangeError):
-                    if logs is None:
-                        raise StopIteration
-                    break
-                first = self._first_run(kind, data)
-                try:
-                    logs = self.run(kind, data)
-                except tf.errors.OpError as error:
-                    return fall_back(
-                        model, kind, error, iter([data]), False, first
-                    )
-            return logs
-
-        return function
+    def _failed(self, kind: str, error: Exception, batches: Any,
+                batch: Any) -> Any:
+        """A DTensor failure of a step's first run, or an op without a
+        DTensor rule, hands the model to plain Keras (`fall_back`): the
+        step is one function whose writes come at its end, so it
+        changed nothing."""
+        if not isinstance(error, tf.errors.OpError):
+            raise error
+        first = (kind, _batch_of(batch)) not in self._ran
+        return fall_back(self.model, kind, error, batches, False, first)
 
 
 def _batch_only(layout: Any) -> Any:

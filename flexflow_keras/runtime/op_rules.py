@@ -10,9 +10,9 @@ equal to plain Keras:
   from gathers, which DTensor shards (same values, bit for bit); runs a
   dilated convolution (TensorFlow's `SpaceToBatchND`/`BatchToSpaceND`)
   as a plain one whose kernel has the holes written in as zeros (same
-  values up to the order of float sums); and gathers the concat axis of
-  `keras.ops.concatenate`'s inputs first (DTensor refuses to concatenate
-  along a split dim: a GAN joining fake and real batches).
+  values up to the order of float sums); and gathers the inputs of a
+  `keras.ops.concatenate` along the batch axis first (DTensor refuses to
+  concatenate along a split dim: a GAN joining fake and real batches).
 - `stateless_random(state)`: TensorFlow's stateful random ops
   (`tf.random.uniform/normal/truncated_normal` in a script's own step,
   as in keras.io's GAN examples) are refused by DTensor; while a step is
@@ -122,20 +122,23 @@ def _undilated(convolution: Any, kernel: str) -> Any:
 
 
 def _concatenate_on(mesh: Any, keras_concatenate: Any) -> Any:
-    """Keras's `concatenate`, its inputs' concat axis unsplit first."""
+    """Keras's `concatenate`; along the batch axis (a GAN joining fake and
+    real batches: DTensor refuses to concatenate along a split dim), its
+    inputs and output replicated. Other axes as Keras does (a graph's
+    Concatenate ops get their inputs laid out per op, never split along
+    the concat axis)."""
 
     def concatenate(xs, axis=0):
+        if axis != 0:
+            return keras_concatenate(xs, axis=axis)
         xs = [tf.convert_to_tensor(x) for x in xs]
-        rank = xs[0].shape.rank
-        specs = [dtensor.MATCH] * rank
-        specs[axis % rank] = dtensor.UNSHARDED
-        layout = dtensor.Layout(specs, mesh)
-        joined = keras_concatenate(
-            [dtensor.relayout(x, layout) for x in xs], axis=axis
-        )
-        # Pinned too: DTensor's propagation would otherwise give it the
-        # layout its consumer wants, split along the concat axis.
-        return dtensor.relayout(joined, layout)
+
+        def whole(x):
+            return dtensor.relayout(
+                x, dtensor.Layout.replicated(mesh, x.shape.rank)
+            )
+
+        return whole(keras_concatenate([whole(x) for x in xs], axis=0))
 
     return concatenate
 

@@ -24,6 +24,7 @@ from tensorflow.experimental import dtensor
 from flexflow_keras.graph import function_of
 from flexflow_keras.runtime import op_rules
 from flexflow_keras.runtime.fallback import fall_back
+from flexflow_keras.runtime.keras_functions import keras_function
 from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.layouts import replicated, segments
 from flexflow_keras.runtime.optimizers import Updater
@@ -433,63 +434,27 @@ class Executor:
     # -- Keras-facing functions ---------------------------------------------
 
     def make_function(self, kind: str):
-        """`train_function(iterator)` / `test_function(iterator)` /
-        `predict_function(data)` with the contract of Keras's TF trainer.
+        """`model.{kind}_function` (`keras_functions.keras_function`)."""
+        return keras_function(self.model, kind, self._run, self._failed)
 
-        A TensorFlow op with no DTensor rule (found only when a step is
-        first traced) hands the model back to plain Keras mid-call (see
-        `fallback.fall_back`), so training goes on with the same values.
-        """
-        model = self.model
-
+    def _run(self, kind: str, batch: Any) -> Any:
         if kind == "predict":
+            x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
+            return self.predict_batch(x)
+        if kind == "train":
+            return self.train_batch(batch)
+        return self.test_batch(batch)
 
-            def predict_function(data):
-                outputs = None
-                for batch in data:
-                    x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(
-                        batch
-                    )
-                    try:
-                        out = self.predict_batch(x)
-                    except OwnStepNeeded:
-                        return self._to_own_step(kind, data)
-                    except tf.errors.OpError as error:
-                        return fall_back(
-                            model, kind, error, data, self.updated
-                        )
-                    if outputs is None:
-                        outputs = out
-                    else:
-                        outputs = tree.map_structure(
-                            lambda a, b: tf.concat([a, b], 0), outputs, out
-                        )
-                return outputs
-
-            return predict_function
-
-        step = self.train_batch if kind == "train" else self.test_batch
-
-        def function(iterator):
-            logs = None
-            for _ in range(model.steps_per_execution):
-                try:
-                    data = next(iterator)
-                except (StopIteration, tf.errors.OutOfRangeError):
-                    if logs is None:
-                        raise StopIteration
-                    break
-                try:
-                    logs = step(data)
-                except OwnStepNeeded:
-                    return self._to_own_step(kind, iter([data]))
-                except tf.errors.OpError as error:
-                    return fall_back(
-                        model, kind, error, iter([data]), self.updated
-                    )
-            return logs
-
-        return function
+    def _failed(self, kind: str, error: Exception, batches: Any,
+                batch: Any) -> Any:
+        """What only the model's own step counts, or an op without a
+        DTensor rule, found when a step is first traced or run: the
+        model goes on without this strategy (see `fallback.fall_back`)."""
+        if isinstance(error, OwnStepNeeded):
+            return self._to_own_step(kind, batches)
+        if isinstance(error, tf.errors.OpError):
+            return fall_back(self.model, kind, error, batches, self.updated)
+        raise error
 
     def _to_own_step(self, kind: str, data: Any) -> Any:
         """What only the model's own step counts was found at the first

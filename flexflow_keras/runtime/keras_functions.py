@@ -1,0 +1,64 @@
+"""Keras's `train_function` / `test_function` / `predict_function`
+contract, for the executors' steps.
+
+Keras's TensorFlow trainer calls `train_function(iterator)` and
+`test_function(iterator)` for up to `steps_per_execution` batches (raising
+`StopIteration` when the iterator had none) and `predict_function(batches)`
+for a list of batches whose outputs it concatenates.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+from keras import tree
+
+
+def keras_function(
+    model: Any,
+    kind: str,
+    run: Callable[[str, Any], Any],
+    failed: Callable[[str, Exception, Any, Any], Any],
+) -> Callable[[Any], Any]:
+    """The `kind` function of `model`, one batch at a time through `run`.
+
+    Args:
+        model: The Keras model (for `steps_per_execution`).
+        kind: `train`, `test` or `predict`.
+        run: `run(kind, batch)`: the outputs (logs) of one batch.
+        failed: `failed(kind, error, batches, batch)` when `run` raised:
+            what the function returns instead, the batches of this call
+            redone some other way (it re-raises what it cannot handle).
+    """
+    if kind == "predict":
+
+        def predict_function(batches):
+            outputs = None
+            for batch in batches:
+                try:
+                    out = run(kind, batch)
+                except Exception as error:  # noqa: BLE001 - `failed` sorts
+                    return failed(kind, error, batches, batch)
+                outputs = out if outputs is None else tree.map_structure(
+                    lambda a, b: tf.concat([a, b], 0), outputs, out
+                )
+            return outputs
+
+        return predict_function
+
+    def function(iterator):
+        logs = None
+        for _ in range(model.steps_per_execution):
+            try:
+                batch = next(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                if logs is None:
+                    raise StopIteration
+                break
+            try:
+                logs = run(kind, batch)
+            except Exception as error:  # noqa: BLE001 - `failed` sorts
+                return failed(kind, error, iter([batch]), batch)
+        return logs
+
+    return function
