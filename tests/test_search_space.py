@@ -80,3 +80,68 @@ class SearchSpaceTest(unittest.TestCase):
         for op in self.graph:
             for _ in range(200):
                 validate_config(op, random_config(op, 64, rng), 64)
+
+
+class OneMeshTest(unittest.TestCase):
+    """Strategies for models that run their own step: one mesh."""
+
+    @classmethod
+    def setUpClass(cls):
+        from flexflow_keras import search_space
+
+        cls.space = search_space
+        cls.graph = hand_graph(batch=8)
+
+    def test_configs_split_one_dim_over_the_same_devices(self):
+        dense = self.graph.op("dense_0")  # (8, 6): 6 splits 2 ways only
+        self.assertEqual(self.space.one_mesh_configs(dense, 2), [
+            ParallelConfig((2, 1), (0, 1)), ParallelConfig((1, 2), (0, 1)),
+        ])
+        self.assertEqual(self.space.one_mesh_configs(dense, 4), [
+            ParallelConfig((4, 1), (0, 1, 2, 3)),
+        ])
+        self.assertEqual(self.space.one_mesh_configs(dense, 1), [
+            ParallelConfig((1, 1), (0,)),
+        ])
+
+    def test_devices_are_the_most_every_op_can_split_into(self):
+        self.assertEqual(self.space.one_mesh_devices(self.graph, 4), 4)
+        # Batch 6: 4 does not divide it; 3 does for every op.
+        self.assertEqual(
+            self.space.one_mesh_devices(hand_graph(batch=6), 4), 3
+        )
+
+    def test_data_parallel_and_random_strategies_are_one_mesh(self):
+        strategy = self.space.one_mesh_data_parallel(self.graph, 4)
+        self.assertTrue(self.space.is_one_mesh(strategy))
+        rng = random.Random(0)
+        for _ in range(50):
+            drawn = self.space.random_strategy(self.graph, 4, rng, 2)
+            self.assertTrue(self.space.is_one_mesh(drawn), drawn)
+            drawn.validate(self.graph, 4)
+
+    def test_is_one_mesh_tells_placements_and_mesh_shapes_apart(self):
+        from flexflow_keras.strategy import Strategy
+
+        names = [op.name for op in self.graph]
+        same = {n: ParallelConfig((4, 1), (0, 1, 2, 3)) for n in names}
+        self.assertTrue(self.space.is_one_mesh(Strategy(same)))
+        moved = dict(same, relu=ParallelConfig((4, 1), (1, 0, 2, 3)))
+        self.assertFalse(self.space.is_one_mesh(Strategy(moved)))
+        grid = dict(same, dense_0=ParallelConfig((2, 2), (0, 1, 2, 3)))
+        self.assertFalse(self.space.is_one_mesh(Strategy(grid)))
+
+    def test_search_with_one_mesh_stays_on_it(self):
+        from flexflow_keras import machine, search, simulator
+
+        sim = simulator.Simulator(self.graph, machine.load_machine("v100x4"))
+        result = search.search(self.graph, sim, 4, budget=200, seed=3,
+                               verbose=0, one_mesh_parts=4,
+                               propagation=0.5)
+        self.assertTrue(self.space.is_one_mesh(result.strategy))
+        self.assertLessEqual(
+            result.best_ms,
+            sim.simulate(
+                self.space.one_mesh_data_parallel(self.graph, 4)
+            ).step_ms,
+        )
