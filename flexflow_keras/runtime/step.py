@@ -117,7 +117,6 @@ class Executor:
         self.dirty = False  # DVariables newer than the Keras variables
         self.updated = False  # some weights took the running train step
         self._fns: dict[tuple, Any] = {}
-        self.own_step_reason = None  # what only the model's step counts
         if self.single_device is not None:
             # Every op on one device: Keras's own step, placed there, is
             # already the best executor; no DVariables are made.
@@ -220,10 +219,7 @@ class Executor:
                         attributes_set(self._constants[id(plan)]):
                     out = layer(*args, **kwargs)
             if scope.losses:
-                # Kept here too: tf.function re-raises with its traceback
-                # in the message.
-                self.own_step_reason = f"layer '{layer.name}' calls add_loss()"
-                raise OwnStepNeeded(self.own_step_reason)
+                raise OwnStepNeeded(f"layer '{layer.name}' calls add_loss()")
             if training:
                 for v in non_trainable:
                     new = scope.get_current_value(v)
@@ -317,14 +313,13 @@ class Executor:
 
         return loss_and_grads
 
-    def _make_metrics(self, with_loss):
+    def _make_metrics(self):
         model = self.model
 
         @_batch_relaxed
-        def metrics(x, y, y_pred_flat, sample_weight, loss):
+        def metrics(x, y, y_pred_flat, sample_weight):
             y_pred = self._pack_outputs(y_pred_flat)
-            if not with_loss:
-                loss = model._compile_loss(y, y_pred, sample_weight)
+            loss = model._compile_loss(y, y_pred, sample_weight)
             return self._update_metrics(x, y, y_pred, sample_weight, loss)
 
         return metrics
@@ -420,7 +415,7 @@ class Executor:
     def test_batch(self, data) -> dict:
         x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
         y_pred = self._predict_flat(x)
-        return self._fn("metrics", False)(x, y, y_pred, sw, None)
+        return self._fn("metrics")(x, y, y_pred, sw)
 
     def _predict_flat(self, x) -> list:
         flat_x = self._flat_inputs(x)
@@ -451,16 +446,16 @@ class Executor:
         DTensor rule, found when a step is first traced or run: the
         model goes on without this strategy (see `fallback.fall_back`)."""
         if isinstance(error, OwnStepNeeded):
-            return self._to_own_step(kind, batches)
+            return self._to_own_step(kind, str(error), batches)
         if isinstance(error, tf.errors.OpError):
             return fall_back(self.model, kind, error, batches, self.updated)
         raise error
 
-    def _to_own_step(self, kind: str, data: Any) -> Any:
+    def _to_own_step(self, kind: str, reason: str, data: Any) -> Any:
         """What only the model's own step counts was found at the first
         trace, before anything was updated: the model says so and runs
         `data` as it runs from now on."""
         model = self.model
-        model._strategy_needs_own_step(self.own_step_reason)
+        model._strategy_needs_own_step(reason)
         getattr(model, f"make_{kind}_function")(force=True)
         return getattr(model, f"{kind}_function")(data)
