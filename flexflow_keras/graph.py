@@ -17,9 +17,7 @@ from typing import Any
 
 import numpy as np
 
-SAMPLE = "sample"
-ATTRIBUTE = "attribute"
-PARAMETER = "parameter"
+from flexflow_keras.capabilities import ATTRIBUTE, PARAMETER, SAMPLE
 SOAP_KINDS = (SAMPLE, ATTRIBUTE, PARAMETER)
 
 

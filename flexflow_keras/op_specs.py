@@ -1,4 +1,4 @@
-"""Per-layer-type facts: FLOPs and which output dims a strategy may split.
+"""Per-layer-type FLOPs (and, from `capabilities`, which dims may split).
 
 `describe()` is the one entry point; `graph.py` calls it for each layer
 call. A layer type without a rule is an opaque op: estimated FLOPs and
@@ -40,43 +40,27 @@ Counting convention (`flops_exact=True` means exact under these rules):
 - RNN cells per step and sample: the gate matmuls as Dense, plus 13U
   (LSTM) / 11U (GRU) / 2U (SimpleRNN) gate arithmetic in each direction.
 
-Partitioning: the runtime (DTensor) must execute every split declared
-here, so only splits DTensor runs natively are declared (checked in
-tests/test_graph.py). Dim 0 is always `sample`. Sequence dims are
-`attribute` where positions are independent (Dense, Embedding,
-LayerNormalization, attention queries, elementwise ops, softmax and
-concatenation off their axes). `parameter` is the output-channel dim
-whose split shards weights: Dense units, Embedding width, BatchNorm
-channels. Convolutions and (non-global) pooling are split by sample
-only: DTensor needs a replicated conv filter, has no halo exchange off
-TPU, and its pooling accepts only batch splits. Global pooling splits
-channels. RNNs, reshapes, unknown ops and ops with several outputs are
-split by sample only; an output without the batch dim not at all.
+Which dims a strategy may split is DTensor's fact, not a cost: it lives in
+`capabilities.py`, and `describe` adds it to the FLOPs.
 """
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any
 
-from flexflow_keras.graph import ATTRIBUTE, PARAMETER, SAMPLE
+from flexflow_keras import capabilities
+from flexflow_keras.capabilities import LayerCall as _Call
 
 Shape = tuple[int, ...]
 Shapes = tuple[Shape, ...]
+
+Flops = tuple[float, float, bool]  # forward, backward, flops_exact
 
 SOFTMAX_FLOPS = (5, 4)  # per element: forward, backward
 DROPOUT_FLOPS = (2, 1)
 NORM_FLOPS = (6, 7)  # statistics + normalize; scale/center extra
 RMS_NORM_FLOPS = (3, 5)
-
-
-class _Call(NamedTuple):
-    """What a rule sees of one layer call (see `describe`)."""
-
-    layer: Any
-    ins: Shapes
-    outs: Shapes
-    arguments: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +91,8 @@ def describe(
     output_shapes: Shapes,
     arguments: Any = None,
 ) -> OpSpec:
-    """FLOPs and partitionable dims of one call of `layer`.
+    """FLOPs and partitionable dims (`capabilities.splits`) of one call
+    of `layer`.
 
     Args:
         layer: The Keras layer or operation.
@@ -118,71 +103,18 @@ def describe(
             that must tell inputs apart (attention, binary ops) use it.
 
     Returns:
-        An `OpSpec`. Unknown types get an estimate and the sample dim.
+        An `OpSpec`. Unknown types get an estimated FLOP count.
     """
     input_shapes = tuple(tuple(s) for s in input_shapes)
     output_shapes = tuple(tuple(s) for s in output_shapes)
     rule = _RULES.get(type(layer).__name__, _opaque)
-    spec = rule(_Call(layer, input_shapes, output_shapes, arguments))
-    return _restrict(spec, input_shapes, output_shapes, arguments)
-
-
-def _restrict(
-    spec: OpSpec, ins: Shapes, outs: Shapes, arguments: Any
-) -> OpSpec:
-    """Keeps only splits that are valid whatever the rule said.
-
-    Why: several outputs cannot all follow one `dims` (sample only), and
-    an output without the batch dim (a reduction over the batch, a
-    scalar) must not be split as if it had one.
-    """
-    kinds = dict(spec.partitionable)
-    axes = dict(spec.weight_shard_axes)
-    if len(outs) != 1:
-        kinds = {0: SAMPLE} if 0 in kinds else {}
-        axes = {}
-    if not _has_batch_dim(ins, outs, arguments):
-        kinds, axes = {}, {}
-    if kinds == dict(spec.partitionable) and axes == spec.weight_shard_axes:
-        return spec
-    return dataclasses.replace(
-        spec, partitionable=kinds, weight_shard_axes=axes
+    forward, backward, exact = rule(
+        _Call(layer, input_shapes, output_shapes, arguments)
     )
-
-
-def _has_batch_dim(ins: Shapes, outs: Shapes, arguments: Any) -> bool:
-    """Whether output 0 starts with the batch dim of the inputs."""
-    if not outs or not outs[0]:
-        return False
-    tensors = getattr(arguments, "keras_tensors", None)
-    if tensors is not None and len(tensors) == len(ins):
-        batches = {
-            shape[0]
-            for kt, shape in zip(tensors, ins)
-            if kt.shape and kt.shape[0] is None
-        }
-    else:
-        batches = {shape[0] for shape in ins if shape}
-    return not batches or outs[0][0] in batches
-
-
-def _dims(
-    rank: int, attribute: Iterable[int] = (), parameter: int | None = None
-) -> dict[int, str]:
-    kinds = {0: SAMPLE}
-    kinds.update({d: ATTRIBUTE for d in attribute if 0 < d < rank})
-    if parameter is not None:
-        kinds[parameter] = PARAMETER
-    return kinds
-
-
-def _axes_by_name(layer: Any, **axis_of: int) -> dict[str, int]:
-    """Shard axes keyed by variable path, found by variable name."""
-    return {
-        v.path: axis_of[v.name]
-        for v in getattr(layer, "weights", ())
-        if v.name in axis_of
-    }
+    kinds, axes = capabilities.splits(
+        layer, input_shapes, output_shapes, arguments
+    )
+    return OpSpec(float(forward), float(backward), exact, kinds, axes)
 
 
 def _activation_flops(fn: Any) -> tuple[int, int]:
@@ -194,42 +126,34 @@ def _activation_flops(fn: Any) -> tuple[int, int]:
     return (1, 1)
 
 
-def _spec(
-    forward: float,
-    backward: float,
-    kinds: Mapping[int, str],
-    axes: Mapping[str, int] | None = None,
-) -> OpSpec:
-    return OpSpec(float(forward), float(backward), True, kinds, axes or {})
+def _spec(forward: float, backward: float) -> Flops:
+    """An exact count: (forward, backward, flops_exact)."""
+    return float(forward), float(backward), True
 
 
-def _opaque(call: _Call) -> OpSpec:
+def _opaque(call: _Call) -> Flops:
     """Estimate: 2 FLOPs per weight per sample, or 1 per output element."""
     layer, ins, outs, arguments = call
     batch = outs[0][0] if outs and outs[0] else 1
     params = sum(math.prod(v.shape) for v in getattr(layer, "weights", ()))
     forward = 2.0 * params * batch
     forward += sum(math.prod(s) for s in outs)
-    return OpSpec(forward, 2.0 * forward, False, {0: SAMPLE})
+    return forward, 2.0 * forward, False
 
 
-def _dense(call: _Call) -> OpSpec:
+def _dense(call: _Call) -> Flops:
     layer, ins, outs, arguments = call
     out = outs[0]
     n = math.prod(out)
     matmul = 2 * n * ins[0][-1]
     bias = n if layer.use_bias else 0
     act_fwd, act_bwd = _activation_flops(layer.activation)
-    kinds = _dims(len(out), range(1, len(out) - 1), len(out) - 1)
     return _spec(
-        matmul + bias + act_fwd * n,
-        2 * matmul + bias + act_bwd * n,
-        kinds,
-        _axes_by_name(layer, kernel=1, bias=0),
+        matmul + bias + act_fwd * n, 2 * matmul + bias + act_bwd * n
     )
 
 
-def _conv(call: _Call) -> OpSpec:
+def _conv(call: _Call) -> Flops:
     """Conv1D/2D/3D; strides, padding and dilation act via the output."""
     layer, ins, outs, arguments = call
     out, x = outs[0], ins[0]
@@ -244,13 +168,8 @@ def _conv(call: _Call) -> OpSpec:
     matmul = 2 * n * taps
     bias = n if layer.use_bias else 0
     act_fwd, act_bwd = _activation_flops(layer.activation)
-    # Sample only (measured, TF 2.21 DTensor on CPU): a split spatial dim
-    # needs a halo exchange ("only supported on TPU"), and a split filter
-    # fails ("Filter for convolution must have fully replicated layout").
     return _spec(
-        matmul + bias + act_fwd * n,
-        2 * matmul + bias + act_bwd * n,
-        _dims(len(out)),
+        matmul + bias + act_fwd * n, 2 * matmul + bias + act_bwd * n
     )
 
 
@@ -273,7 +192,7 @@ def _pool_flops(is_max: bool, window: int, outputs: int) -> tuple[int, int]:
     return window, window + outputs
 
 
-def _pooling(call: _Call) -> OpSpec:
+def _pooling(call: _Call) -> Flops:
     layer, ins, outs, arguments = call
     x, out = ins[0], outs[0]
     channels_last = layer.data_format == "channels_last"
@@ -287,20 +206,16 @@ def _pooling(call: _Call) -> OpSpec:
     fwd, bwd = _pool_flops(
         type(layer).__name__.startswith("Max"), window, math.prod(out)
     )
-    # Sample only: DTensor's MaxPool/AvgPool expanders accept nothing but
-    # batch-parallel layouts (measured, TF 2.21 CPU); global pooling is a
-    # reduction and splits channels fine.
-    return _spec(fwd, bwd, _dims(len(out)))
+    return _spec(fwd, bwd)
 
 
-def _global_pooling(call: _Call) -> OpSpec:
+def _global_pooling(call: _Call) -> Flops:
     layer, ins, outs, arguments = call
-    x, out = ins[0], outs[0]
-    channels_last = layer.data_format == "channels_last"
-    outputs = math.prod(out)
-    fwd, bwd = _pool_flops("Max" in type(layer).__name__, math.prod(x), outputs)
-    channel_dim = len(out) - 1 if channels_last else 1
-    return _spec(fwd, bwd, _dims(len(out), (channel_dim,)))
+    outputs = math.prod(outs[0])
+    fwd, bwd = _pool_flops(
+        "Max" in type(layer).__name__, math.prod(ins[0]), outputs
+    )
+    return _spec(fwd, bwd)
 
 
 def _norm_flops(
@@ -310,40 +225,28 @@ def _norm_flops(
     return n * (fwd + scale + center), n * (bwd + 2 * scale + center)
 
 
-def _batch_norm(call: _Call) -> OpSpec:
+def _batch_norm(call: _Call) -> Flops:
     layer, ins, outs, arguments = call
     out = outs[0]
     fwd, bwd = _norm_flops(
         math.prod(out), False, bool(layer.scale), bool(layer.center)
     )
-    if layer.axis % len(out) != len(out) - 1:
-        return _spec(fwd, bwd, _dims(len(out)))
-    # Every BN variable (gamma, beta, moving stats, renorm) is per channel.
-    axes = {v.path: 0 for v in layer.weights if len(v.shape) == 1}
-    return _spec(fwd, bwd, _dims(len(out), parameter=len(out) - 1), axes)
+    return _spec(fwd, bwd)
 
 
-def _layer_norm(call: _Call) -> OpSpec:
+def _layer_norm(call: _Call) -> Flops:
     layer, ins, outs, arguments = call
-    out = outs[0]
-    rank = len(out)
-    axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
-    normalized = {a % rank for a in axis}
     fwd, bwd = _norm_flops(
-        math.prod(out),
+        math.prod(outs[0]),
         bool(getattr(layer, "rms_scaling", False)),
         getattr(layer, "gamma", None) is not None,
         getattr(layer, "beta", None) is not None,
     )
-    middle = [d for d in range(1, rank - 1) if d not in normalized]
-    return _spec(fwd, bwd, _dims(rank, middle))
+    return _spec(fwd, bwd)
 
 
-def _embedding(call: _Call) -> OpSpec:
-    layer, ins, outs, arguments = call
-    out = outs[0]
-    kinds = _dims(len(out), range(1, len(out) - 1), len(out) - 1)
-    return _spec(0, math.prod(out), kinds, _axes_by_name(layer, embeddings=1))
+def _embedding(call: _Call) -> Flops:
+    return _spec(0, math.prod(call.outs[0]))
 
 
 def _call_arg(arguments: Any, position: int, name: str) -> Any:
@@ -382,11 +285,7 @@ def _tensor_positions(arguments: Any, num_inputs: int) -> list[int]:
     return [i for i, a in enumerate(operands) if isinstance(a, KerasTensor)]
 
 
-def _elementwise_dims(out: Shape) -> dict[int, str]:
-    return _dims(len(out), range(1, len(out)))
-
-
-def _merge(call: _Call) -> OpSpec:
+def _merge(call: _Call) -> Flops:
     """Merge layers over k inputs, and the same-named binary `keras.ops`."""
     layer, ins, outs, arguments = call
     kind = type(layer).__name__
@@ -398,75 +297,58 @@ def _merge(call: _Call) -> OpSpec:
             _BINARY_BACKWARD[kind][i]
             for i in _tensor_positions(arguments, len(ins))
         )
-        return _spec(n, bwd * n, _elementwise_dims(outs[0]))
+        return _spec(n, bwd * n)
     k = len(ins)
     fwd = {"Average": k}.get(kind, k - 1)
     bwd = {"Add": 0, "Subtract": 1, "Multiply": k * (k - 1)}.get(kind, k)
-    return _spec(fwd * n, bwd * n, _elementwise_dims(outs[0]))
+    return _spec(fwd * n, bwd * n)
 
 
-def _softmax_dims(axis: Any, out: Shape) -> dict[int, str]:
-    if axis is None:
-        return {}  # normalizes over every dim, batch included
-    axes = axis if isinstance(axis, (list, tuple)) else (axis,)
-    skip = {a % len(out) for a in axes}
-    return _dims(len(out), [d for d in range(1, len(out)) if d not in skip])
-
-
-def _softmax(call: _Call) -> OpSpec:
+def _softmax(call: _Call) -> Flops:
     layer, ins, outs, arguments = call
     n = math.prod(outs[0])
     fwd, bwd = SOFTMAX_FLOPS
-    return _spec(fwd * n, bwd * n, _softmax_dims(layer.axis, outs[0]))
+    return _spec(fwd * n, bwd * n)
 
 
-def _activation(call: _Call) -> OpSpec:
+def _activation(call: _Call) -> Flops:
     """Activation layers and unary `keras.ops`: elementwise."""
     layer, ins, outs, arguments = call
     out = outs[0]
     n = math.prod(out)
     fn = getattr(layer, "activation", None)
     fwd, bwd = _activation_flops(fn) if fn is not None else (1, 1)
-    if (fwd, bwd) == SOFTMAX_FLOPS:
-        return _spec(fwd * n, bwd * n, _softmax_dims(-1, out))
-    return _spec(fwd * n, bwd * n, _elementwise_dims(out))
+    return _spec(fwd * n, bwd * n)
 
 
-def _dropout(call: _Call) -> OpSpec:
+def _dropout(call: _Call) -> Flops:
     layer, ins, outs, arguments = call
     n = math.prod(outs[0])
     fwd, bwd = DROPOUT_FLOPS if layer.rate > 0 else (0, 0)
-    return _spec(fwd * n, bwd * n, _elementwise_dims(outs[0]))
+    return _spec(fwd * n, bwd * n)
 
 
-def _concatenate(call: _Call) -> OpSpec:
+def _data_movement(call: _Call) -> Flops:
+    """Reshape, Flatten, padding, cropping, concatenation: no
+    arithmetic."""
     layer, ins, outs, arguments = call
-    out = outs[0]
-    axis = layer.axis % len(out)
-    keep = [d for d in range(1, len(out)) if d != axis]
-    return _spec(0, 0, _dims(len(out), keep))
+    return _spec(0, 0)
 
 
-def _data_movement(call: _Call) -> OpSpec:
-    """Reshape, Flatten, padding, cropping: no arithmetic."""
-    layer, ins, outs, arguments = call
-    return _spec(0, 0, _dims(len(outs[0])))
-
-
-def _matmul(call: _Call) -> OpSpec:
+def _matmul(call: _Call) -> Flops:
     """`keras.ops.matmul` of two tensors of rank >= 2."""
     layer, ins, outs, arguments = call
     if len(ins) != 2 or min(len(s) for s in ins) < 2:
         return _opaque(call)
     macs = math.prod(outs[0]) * ins[0][-1]
-    return _spec(2 * macs, 4 * macs, _dims(len(outs[0])))
+    return _spec(2 * macs, 4 * macs)
 
 
-def _rules() -> dict[str, Callable[..., OpSpec]]:
+def _rules() -> dict[str, Callable[[_Call], Flops]]:
     # Imported here: op_specs_sequence builds on this module's helpers.
     from flexflow_keras.op_specs_sequence import RNN_TYPES, attention, rnn
 
-    rules: dict[str, Callable[..., OpSpec]] = {
+    rules: dict[str, Callable[[_Call], Flops]] = {
         "Dense": _dense,
         "BatchNormalization": _batch_norm,
         "LayerNormalization": _layer_norm,
@@ -475,7 +357,7 @@ def _rules() -> dict[str, Callable[..., OpSpec]]:
         "Softmax": _softmax,
         "LogSoftmax": _softmax,
         "Dropout": _dropout,
-        "Concatenate": _concatenate,
+        "Concatenate": _data_movement,
         "Matmul": _matmul,
     }
     for n in "123":

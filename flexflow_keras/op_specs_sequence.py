@@ -1,4 +1,4 @@
-"""FLOP and partitioning rules of sequence layers: attention and RNNs.
+"""FLOP rules of sequence layers: attention and RNNs.
 
 Split from `op_specs` (whose docstring states the counting convention)
 to keep each module one size; `op_specs` registers these rules.
@@ -10,12 +10,11 @@ from typing import Any
 from flexflow_keras.op_specs import (
     DROPOUT_FLOPS,
     SOFTMAX_FLOPS,
-    OpSpec,
+    Flops,
     Shape,
     _activation_flops,
     _Call,
     _call_arg,
-    _dims,
     _spec,
 )
 
@@ -35,7 +34,7 @@ def _projection_flops(sublayer: Any, rows: int) -> tuple[int, int]:
     return 2 * macs + bias_flops, 4 * macs + bias_flops
 
 
-def attention(call: _Call) -> OpSpec:
+def attention(call: _Call) -> Flops:
     """MultiHeadAttention; query, value, key told apart via `arguments`."""
     layer, ins, outs, arguments = call
     batch = outs[0][0]
@@ -81,7 +80,7 @@ def attention(call: _Call) -> OpSpec:
         gated = heads * q_rows * value_dim
         fwd += 2 * gated  # sigmoid, multiply
         bwd += 3 * gated  # sigmoid derivative, two multiply gradients
-    return _spec(fwd, bwd, _dims(len(outs[0]), (1,)))
+    return _spec(fwd, bwd)
 
 
 _RNN_GATES = {"SimpleRNN": 1, "GRU": 3, "LSTM": 4}
@@ -89,7 +88,7 @@ _RNN_ELEMENTWISE = {"SimpleRNN": 2, "GRU": 11, "LSTM": 13}
 RNN_TYPES = tuple(_RNN_GATES)
 
 
-def rnn(call: _Call) -> OpSpec:
+def rnn(call: _Call) -> Flops:
     """SimpleRNN / GRU / LSTM over a (batch, steps, features) input."""
     layer, ins, outs, arguments = call
     kind = type(layer).__name__
@@ -107,4 +106,4 @@ def rnn(call: _Call) -> OpSpec:
     steps_samples = x[0] * x[1]
     fwd = steps_samples * (2 * macs + elementwise + bias)
     bwd = steps_samples * (4 * macs + elementwise + bias)
-    return _spec(fwd, bwd, _dims(len(outs[0])))
+    return _spec(fwd, bwd)

@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+from flexflow_keras import capabilities
 from flexflow_keras.graph import ATTRIBUTE, PARAMETER, SAMPLE, Op
 from flexflow_keras.strategy import ParallelConfig
 
@@ -51,17 +52,6 @@ def intersect(a: Rect, b: Rect) -> Rect | None:
     return tuple(out)
 
 
-# Per-channel ops: a channel slice of the input makes that of the output.
-CHANNELWISE = frozenset({"BatchNormalization"})
-# Ops where only input 0 lines up with the output's attribute dims.
-FIRST_INPUT_ONLY = frozenset({"MultiHeadAttention"})
-# Ops whose spatial dims are never split on the input (no halo exchange).
-NO_INPUT_ATTRIBUTE = frozenset({
-    "Conv1D", "Conv2D", "Conv3D", "DepthwiseConv2D", "SeparableConv2D",
-    "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose",
-})
-
-
 def split_input_dims(
     op: Op, index: int, in_shape: tuple[int, ...]
 ) -> frozenset[int]:
@@ -69,12 +59,13 @@ def split_input_dims(
 
     Where the op computes its output slice from the input's matching
     slice with no communication: the sample dim; an attribute dim of
-    equal size and position (not a convolution's spatial dims, which
-    would need halos; not MultiHeadAttention's key/value); a per-channel
-    op's channel dim. The runtime lays inputs out so, and the simulator
-    moves and costs exactly that.
+    equal size and position (not MultiHeadAttention's key/value); a
+    per-channel op's channel dim (`capabilities.Capability.inputs`). The
+    runtime lays inputs out so, and the simulator moves and costs exactly
+    that.
     """
     out = op.output_shape
+    follows = capabilities.of_type(op.type).inputs
     split = set()
     for d, n in enumerate(in_shape):
         if d >= len(out) or n != out[d]:
@@ -83,12 +74,12 @@ def split_input_dims(
         if kind == SAMPLE and d == 0:
             ok = True
         elif kind == PARAMETER:
-            ok = op.type in CHANNELWISE and len(in_shape) == len(out)
+            ok = follows == capabilities.CHANNELWISE and len(in_shape) == len(
+                out
+            )
         elif kind == ATTRIBUTE:
-            ok = (
-                op.type not in NO_INPUT_ATTRIBUTE
-                and (index == 0 or op.type not in FIRST_INPUT_ONLY)
-                and (len(in_shape) == len(out) or op.type == "Embedding")
+            ok = (index == 0 or follows != capabilities.FIRST_INPUT) and (
+                len(in_shape) == len(out) or follows == capabilities.PREFIX
             )
         else:
             ok = False

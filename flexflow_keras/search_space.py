@@ -182,12 +182,15 @@ def tie_shared(
 
 def one_mesh_configs(op: Op, parts: int) -> list[ParallelConfig]:
     """The configs of `op` on the mesh of devices `0..parts-1`: one
-    partitionable dim split `parts` ways (all dims 1 when `parts` is 1).
-    Sample split first."""
+    partitionable dim split `parts` ways, sample split first. An op that
+    may split nothing (`capabilities`: DTensor runs it only replicated)
+    gets the unsplit config on device 0, which the runtime runs
+    replicated on the mesh (`runs_on_the_mesh`); so does every op when
+    `parts` is 1."""
     rank = max(op.rank, 1)
     ids = tuple(range(parts))
-    if parts == 1:
-        return [ParallelConfig((1,) * rank, ids)]
+    if parts == 1 or not op.partitionable:
+        return [ParallelConfig((1,) * rank, (0,))]
     shape = op.output_shape or (1,)
     return [
         ParallelConfig(
@@ -218,12 +221,26 @@ def one_mesh_data_parallel(graph: OpGraph, parts: int) -> Strategy:
 def is_one_mesh(strategy: Strategy) -> bool:
     """Whether every op of `strategy` runs on one DTensor mesh: the same
     device ids and the same degrees > 1 (the runtime names mesh axes by
-    position, so `(4, 1)` and `(1, 4)` share one)."""
+    position, so `(4, 1)` and `(1, 4)` share one), but for unsplit ops on
+    device 0, which join that mesh when it holds device 0
+    (`runs_on_the_mesh`)."""
     meshes = {
         (tuple(d for d in c.dims if d > 1), c.device_ids)
         for c in strategy.values()
+        if not runs_on_the_mesh(c)
     }
-    return len(meshes) <= 1
+    if len(meshes) != 1:
+        return not meshes
+    (_, ids), = meshes
+    return 0 in ids or not any(map(runs_on_the_mesh, strategy.values()))
+
+
+def runs_on_the_mesh(config: ParallelConfig) -> bool:
+    """Whether `config` is the unsplit config on device 0: in a one-mesh
+    strategy such an op runs replicated on the mesh (every device
+    computes it whole, in the time one device takes), which is how ops
+    that DTensor runs only replicated stay in a strategy."""
+    return config.device_ids == (0,)
 
 
 def random_strategy(

@@ -10,6 +10,7 @@ import keras
 import model_zoo
 import numpy as np
 
+from flexflow_keras import capabilities
 from flexflow_keras.graph import (
     ATTRIBUTE,
     PARAMETER,
@@ -72,7 +73,10 @@ class GraphAssertions(unittest.TestCase):
 
     def assert_valid_partitioning(self, op: Op, batch: int) -> None:
         kinds = op.partitionable
-        self.assertEqual(kinds.get(0), SAMPLE, msg=op.name)
+        if capabilities.of_type(op.type).replicated_ops:
+            self.assertEqual(kinds, {}, msg=op.name)  # runs replicated
+        else:
+            self.assertEqual(kinds.get(0), SAMPLE, msg=op.name)
         self.assertEqual(op.output_shape[0], batch, msg=op.name)
         self.assertTrue(set(kinds.values()) <= set(SOAP_KINDS))
         self.assertTrue(all(0 <= d < op.rank for d in kinds), msg=op.name)
@@ -199,7 +203,8 @@ class CnnGraphTest(GraphAssertions):
         self.assertEqual(
             graph.op("dw").forward_flops, 2 * (BATCH * 4 * 4 * 6) * 9
         )
-        self.assertEqual(graph.op("dw").partitionable, {0: SAMPLE})
+        # Its gradients run only replicated (capabilities.TABLE).
+        self.assertEqual(graph.op("dw").partitionable, {})
 
     def test_conv_is_sample_only(self):
         # DTensor needs a replicated filter and cannot split spatial dims.

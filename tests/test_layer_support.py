@@ -120,8 +120,13 @@ class ConvOp(keras.layers.Conv2D):
 FEATURES = {
     "subclassed_mlp": build_subclassed_mlp,
     "subclassed_recommender": build_subclassed_recommender,
+    # A one-layer Conv2D + AveragePooling2D model crashed DTensor; the
+    # pooling now runs replicated on the mesh, the convolution split.
     "average_pooling": image_layer(
-        lambda mod: mod.layers.AveragePooling2D(2)
+        lambda mod: mod.Sequential([
+            mod.layers.Conv2D(8, 3, padding="same"),
+            mod.layers.AveragePooling2D(2),
+        ])
     ),
     "shared_tower_average_pooling": build_shared_avgpool_tower,
     "bidirectional_lstm": sequence_layer(

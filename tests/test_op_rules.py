@@ -48,7 +48,8 @@ class OpRulesTest(unittest.TestCase):
         import os
 
         key = "DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_TF.AVGPOOLGRAD"
-        self.assertEqual(os.environ.get(key), "1")  # at import
+        op_rules.enable()
+        self.assertEqual(os.environ.get(key), "1")
         saved = os.environ[key]
         try:
             os.environ[key] = "0"

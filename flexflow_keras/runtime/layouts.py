@@ -10,6 +10,11 @@ A *segment* is a maximal run of consecutive ops (topological order) on one
 mesh. DTensor runs a function whose data goes mesh A -> mesh B -> mesh A
 (forward then backward) into a hang on this TensorFlow (measured), so the
 step runs one function per segment when there are several.
+
+In a one-mesh strategy (`search_space.is_one_mesh`), an op left unsplit
+on device 0 runs replicated on the strategy's mesh instead of a mesh of
+its own: how ops that DTensor runs only replicated stay in a strategy
+whose other ops keep their splits.
 """
 
 import dataclasses
@@ -21,6 +26,7 @@ from tensorflow.experimental import dtensor
 
 from flexflow_keras import partition
 from flexflow_keras.graph import Op, OpGraph
+from flexflow_keras.search_space import is_one_mesh, runs_on_the_mesh
 
 UNSHARDED = dtensor.UNSHARDED
 
@@ -166,6 +172,7 @@ def plan_ops(
     """One `OpPlan` per op, checked against the graph."""
     plans: list[OpPlan] = []
     by_name: dict[str, OpPlan] = {}
+    home = _the_mesh(strategy, meshes)
     for op in graph:
         if op.name not in strategy:
             raise ValueError(
@@ -192,7 +199,10 @@ def plan_ops(
                     f"{op.output_shape[dim]} does not split into {degree} "
                     f"equal parts. Received: dims={config.dims}."
                 )
-        mesh = meshes.get(config.dims, config.device_ids)
+        if home is not None and runs_on_the_mesh(config):
+            mesh = home  # replicated on the mesh: axis_of_dim gives none
+        else:
+            mesh = meshes.get(config.dims, config.device_ids)
         owner = op.shares_weights_with and by_name.get(op.shares_weights_with)
         if owner is not None and owner.mesh != mesh:
             # The weights live once, on the owner's mesh; a call on another
@@ -217,6 +227,17 @@ def plan_ops(
         )
         by_name[op.name] = plans[-1]
     return tuple(plans)
+
+
+def _the_mesh(strategy: Any, meshes: MeshCache) -> Any:
+    """The one mesh of a one-mesh strategy with some split op (where its
+    unsplit ops on device 0 run replicated), else None."""
+    if not is_one_mesh(strategy):
+        return None
+    for config in strategy.values():
+        if not runs_on_the_mesh(config):
+            return meshes.get(config.dims, config.device_ids)
+    return None
 
 
 def segments(graph: OpGraph, plans: tuple[OpPlan, ...]) -> tuple[Segment, ...]:

@@ -18,24 +18,26 @@ equal to plain Keras:
   as in keras.io's GAN examples) are refused by DTensor; while a step is
   traced they draw from their stateless twins, seeded from a counter
   variable on the mesh. (Random values cannot equal Keras's anyway.)
-- `enable()`: DTensor has a per-op switch to run such an op
-with every input and output replicated (each device computes the whole
-op; the inputs are all-gathered first): the environment variable
-`DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_<MLIR op name, upper case>`,
-read when a step is traced (`tensorflow/dtensor/cc/dtensor_utils.cc`;
-tf-keras set it for `TF.RESOURCESCATTERADD`). The name holds a dot, so
-only `os.environ` can set it.
-
-The table holds the ops measured here to then train equal to plain Keras
-(a one-layer model per op, fit under data parallelism on 4 virtual CPUs):
-what each layer costs is its replicated op's all-gather, which the
-simulator does not price yet.
+- `enable(ops)`: DTensor has a per-op switch to run such an op with
+  every input and output replicated (each device computes the whole op;
+  the inputs are all-gathered first): the environment variable
+  `DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_<MLIR op name, upper case>`,
+  read when a step is traced (`tensorflow/dtensor/cc/dtensor_utils.cc`;
+  tf-keras set it for `TF.RESOURCESCATTERADD`). The name holds a dot, so
+  only `os.environ` can set it. Measured: any value turns it on ("0"
+  too), and once DTensor has read it the process keeps it on, even if
+  the variable is removed. The runtime sets it when it builds an
+  executor, not at import. Which ops need it is
+  `capabilities.TABLE`'s `replicated_ops` (measured: each fails without
+  the switch and trains equal to plain Keras with it), plus what
+  `probe.py` finds for unlisted layers; the layers emitting them declare
+  no split, so the search gives them unsplit configs.
 """
 
 import contextlib
 import inspect
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -43,28 +45,23 @@ from tensorflow.experimental import dtensor
 from keras.src.backend.tensorflow import nn as tf_nn
 from keras.src.backend.tensorflow import numpy as tf_numpy
 
-# op name -> the layers that emit it (for the docs and messages).
-REPLICATED_OPS = {
-    "AvgPoolGrad": "AveragePooling1D/2D/3D (gradient)",
-    "DepthwiseConv2dNativeBackpropFilter": (
-        "DepthwiseConv1D/2D, SeparableConv1D/2D (filter gradient)"
-    ),
-    "DepthwiseConv2dNativeBackpropInput": (
-        "DepthwiseConv1D/2D, SeparableConv1D/2D (input gradient)"
-    ),
-    "ImageProjectiveTransformV3": (
-        "RandomRotation, RandomZoom, RandomTranslation, RandomShear"
-    ),
-}
+from flexflow_keras import capabilities
 
 _PREFIX = "DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_TF."
 
 
-def enable() -> None:
-    """Turns the switch on for every op in `REPLICATED_OPS` (unless the
-    user set it already)."""
-    for op in REPLICATED_OPS:
-        os.environ.setdefault(_PREFIX + op.upper(), "1")
+def enable(ops: Iterable[str] | None = None) -> None:
+    """Turns the switch on for `ops` (TensorFlow op names; default: every
+    op in the capability table), unless the user set it already."""
+    if ops is None:
+        ops = capabilities.replicated_ops()
+    for op in ops:
+        os.environ.setdefault(switch(op), "1")
+
+
+def switch(op: str) -> str:
+    """The environment variable of DTensor's replicated switch for `op`."""
+    return _PREFIX + op.upper()
 
 
 def flip_by_gather(x: Any, axis: Any = None) -> tf.Tensor:

@@ -23,7 +23,7 @@ from typing import Any
 
 import keras
 
-from flexflow_keras.runtime import layouts
+from flexflow_keras.runtime import layouts, op_rules
 from flexflow_keras.runtime.model_step import ModelStepExecutor, one_mesh
 from flexflow_keras.runtime.step import Executor, single_device
 
@@ -58,6 +58,7 @@ def make_executor(model: Any, graph: Any, strategy: Any,
     (`ModelStepExecutor`), else Keras's default step layer by layer over
     the strategy's meshes (`Executor`), or Keras's own step pinned to one
     device when the strategy uses one."""
+    op_rules.enable()  # before anything is traced on a mesh
     meshes = layouts.MeshCache(device_names)
     plans = layouts.plan_ops(graph, strategy, meshes)
     mesh = one_mesh(plans)

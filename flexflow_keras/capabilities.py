@@ -1,0 +1,410 @@
+"""What TensorFlow's DTensor can run of each layer type: the one table.
+
+The search may only propose what the runtime can execute, and a split
+that DTensor refuses would surface half-way through `fit()`. So every
+fact about what DTensor runs of a layer type lives here, in `TABLE`:
+
+- `splits`: which output dims a strategy may split, as SOAP kinds
+  (`sample`, `attribute`, `parameter`), and which axis of each weight a
+  parameter split shards. Dim 0 is always `sample`.
+- `inputs`: how each input follows a split output (`partition.py` and
+  the runtime's input layouts read it): `MATCHING` (an input dim of the
+  output's size and position is split alike), `CHANNELWISE` (also the
+  channel dim of a parameter split: BatchNormalization), `FIRST_INPUT`
+  (only input 0 follows attribute splits: attention's key/value stay
+  whole), `PREFIX` (the input is the output without its last dim:
+  Embedding's indices).
+- `replicated_ops`: TensorFlow ops of its forward or backward that
+  DTensor has no layout rule for; they run replicated through DTensor's
+  per-op switch (`runtime/op_rules.enable`). A layer that needs one
+  declares no split at all (`REPLICATED`): the search gives it an unsplit
+  config, which a one-mesh runtime runs replicated on the mesh, so what
+  the simulator prices (the whole op on one device's time) is what runs.
+
+Measured on TF 2.21, CPU, and checked by tests: every declared split
+runs forward and backward on DTensor and equals the unsplit op
+(`tests/test_graph.py`), and every listed replicated op fails without its
+switch and runs with it (`tests/test_capabilities.py`).
+
+A layer type the table does not list (a custom layer, a Keras layer not
+measured here) is probed once on the attached devices before the search
+(`runtime/probe.py`, cached on disk); `Probed` is what that finds and
+`apply_probes` turns it into the ops' splits.
+
+Why these splits (measured): convolutions split the batch only (DTensor
+needs a replicated filter and has no halo exchange off TPU); non-global
+pooling the batch only; global pooling may split channels; Dense,
+Embedding, BatchNormalization their output channels (parameter);
+Dense, LayerNormalization, Embedding, attention queries, elementwise ops,
+softmax and concatenation off their axes split sequence dims
+(attribute); RNNs, reshapes, unknown ops and ops with several outputs the
+batch only; an output without the batch dim nothing.
+"""
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
+
+ATTRIBUTE = "attribute"
+PARAMETER = "parameter"
+SAMPLE = "sample"
+
+Shape = tuple[int, ...]
+Shapes = tuple[Shape, ...]
+
+MATCHING = "matching"
+CHANNELWISE = "channelwise"
+FIRST_INPUT = "first_input"
+PREFIX = "prefix"
+
+
+class LayerCall(NamedTuple):
+    """What a rule sees of one layer call: the layer, its input and
+    output shapes (batch included), and Keras's `SymbolicArguments`."""
+
+    layer: Any
+    ins: Shapes
+    outs: Shapes
+    arguments: Any
+
+
+class Splits(NamedTuple):
+    """Output dim -> SOAP kind; weight path -> axis a parameter split
+    shards (absent: replicated)."""
+
+    kinds: Mapping[int, str]
+    weight_axes: Mapping[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """What DTensor runs of one layer type (see the module docstring)."""
+
+    splits: Callable[[LayerCall], Splits]
+    inputs: str = MATCHING
+    replicated_ops: tuple[str, ...] = ()
+
+
+class Unsupported(Exception):
+    """A layer DTensor cannot run even replicated: the model trains as
+    plain Keras, decided before the search."""
+
+
+# --- split rules -----------------------------------------------------------
+
+
+def dims(
+    rank: int, attribute: Iterable[int] = (), parameter: int | None = None
+) -> dict[int, str]:
+    """Sample dim 0, `attribute` dims (inside the rank, not 0), and the
+    `parameter` dim."""
+    kinds = {0: SAMPLE}
+    kinds.update({d: ATTRIBUTE for d in attribute if 0 < d < rank})
+    if parameter is not None:
+        kinds[parameter] = PARAMETER
+    return kinds
+
+
+def _axes_by_name(layer: Any, **axis_of: int) -> dict[str, int]:
+    """Shard axes keyed by variable path, found by variable name."""
+    return {
+        v.path: axis_of[v.name]
+        for v in getattr(layer, "weights", ())
+        if v.name in axis_of
+    }
+
+
+def sample_only(call: LayerCall) -> Splits:
+    """Convolutions, pooling, RNNs, reshapes, unknown ops."""
+    return Splits(dims(len(call.outs[0])), {})
+
+
+def _replicated(call: LayerCall) -> Splits:
+    return Splits({}, {})
+
+
+def _elementwise(call: LayerCall) -> Splits:
+    out = call.outs[0]
+    return Splits(dims(len(out), range(1, len(out))), {})
+
+
+def _dense(call: LayerCall) -> Splits:
+    rank = len(call.outs[0])
+    return Splits(
+        dims(rank, range(1, rank - 1), rank - 1),
+        _axes_by_name(call.layer, kernel=1, bias=0),
+    )
+
+
+def _embedding(call: LayerCall) -> Splits:
+    rank = len(call.outs[0])
+    return Splits(
+        dims(rank, range(1, rank - 1), rank - 1),
+        _axes_by_name(call.layer, embeddings=1),
+    )
+
+
+def _global_pooling(call: LayerCall) -> Splits:
+    out = call.outs[0]
+    channels_last = call.layer.data_format == "channels_last"
+    return Splits(dims(len(out), (len(out) - 1 if channels_last else 1,)), {})
+
+
+def _batch_norm(call: LayerCall) -> Splits:
+    layer, rank = call.layer, len(call.outs[0])
+    if layer.axis % rank != rank - 1:
+        return sample_only(call)
+    # Every BN variable (gamma, beta, moving stats, renorm) is per channel.
+    axes = {v.path: 0 for v in layer.weights if len(v.shape) == 1}
+    return Splits(dims(rank, parameter=rank - 1), axes)
+
+
+def _layer_norm(call: LayerCall) -> Splits:
+    layer, rank = call.layer, len(call.outs[0])
+    axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+    normalized = {a % rank for a in axis}
+    middle = [d for d in range(1, rank - 1) if d not in normalized]
+    return Splits(dims(rank, middle), {})
+
+
+def _attention(call: LayerCall) -> Splits:
+    return Splits(dims(len(call.outs[0]), (1,)), {})
+
+
+def softmax_dims(axis: Any, out: Shape) -> dict[int, str]:
+    """Every dim but the normalized ones (none when `axis` is None)."""
+    if axis is None:
+        return {}  # normalizes over every dim, batch included
+    axes = axis if isinstance(axis, (list, tuple)) else (axis,)
+    skip = {a % len(out) for a in axes}
+    return dims(len(out), [d for d in range(1, len(out)) if d not in skip])
+
+
+def _softmax(call: LayerCall) -> Splits:
+    return Splits(softmax_dims(call.layer.axis, call.outs[0]), {})
+
+
+def _activation(call: LayerCall) -> Splits:
+    fn = getattr(call.layer, "activation", None)
+    if getattr(fn, "__name__", "") in ("softmax", "log_softmax"):
+        return Splits(softmax_dims(-1, call.outs[0]), {})
+    return _elementwise(call)
+
+
+def _binary(call: LayerCall) -> Splits:
+    """Merge layers and the same-named binary `keras.ops`; `ops.average`
+    (a reduction, not a merge) splits the batch only."""
+    from keras.src.layers.layer import Layer
+
+    if not isinstance(call.layer, Layer) and type(call.layer).__name__ \
+            not in BINARY_OPS:
+        return sample_only(call)
+    return _elementwise(call)
+
+
+def _concatenate(call: LayerCall) -> Splits:
+    out = call.outs[0]
+    axis = call.layer.axis % len(out)
+    return Splits(
+        dims(len(out), [d for d in range(1, len(out)) if d != axis]), {}
+    )
+
+
+BINARY_OPS = (
+    "Add", "Subtract", "Multiply", "Divide", "TrueDivide", "Maximum",
+    "Minimum",
+)
+
+# TensorFlow ops DTensor has no rule for, by the layers that emit them.
+_AVG_POOL_GRAD = {1: "AvgPoolGrad", 2: "AvgPoolGrad", 3: "AvgPool3DGrad"}
+_DEPTHWISE_GRADS = (
+    "DepthwiseConv2dNativeBackpropFilter", "DepthwiseConv2dNativeBackpropInput",
+)
+
+
+def _table() -> dict[str, Capability]:
+    sample = Capability(sample_only)
+    elementwise = Capability(_elementwise)
+
+    def replicated(*ops: str) -> Capability:
+        return Capability(_replicated, replicated_ops=ops)
+
+    table = {
+        "Dense": Capability(_dense),
+        "EinsumDense": sample,
+        "Embedding": Capability(_embedding, PREFIX),
+        "BatchNormalization": Capability(_batch_norm, CHANNELWISE),
+        "LayerNormalization": Capability(_layer_norm),
+        "MultiHeadAttention": Capability(_attention, FIRST_INPUT),
+        "Softmax": Capability(_softmax),
+        "LogSoftmax": Capability(_softmax),
+        "Dropout": elementwise,
+        "Concatenate": Capability(_concatenate),
+        "Matmul": sample,
+        # Keras unrolls or flips these while a step is traced
+        # (runtime/unroll.py, op_rules.flip_by_gather).
+        "Bidirectional": sample,
+        # Their image transform has no rule, nor (when a layer before
+        # them trains) the matrix inverse of its gradient.
+        **{
+            f"Random{kind}": replicated(
+                "ImageProjectiveTransformV3", "MatrixInverse"
+            )
+            for kind in ("Rotation", "Zoom", "Translation", "Shear")
+        },
+    }
+    for n in (1, 2, 3):
+        table[f"Conv{n}D"] = sample
+        table[f"Conv{n}DTranspose"] = sample
+        table[f"MaxPooling{n}D"] = sample
+        table[f"AveragePooling{n}D"] = replicated(_AVG_POOL_GRAD[n])
+        table[f"GlobalMaxPooling{n}D"] = Capability(_global_pooling)
+        table[f"GlobalAveragePooling{n}D"] = Capability(_global_pooling)
+        table[f"ZeroPadding{n}D"] = sample
+        table[f"Cropping{n}D"] = sample
+        table[f"UpSampling{n}D"] = sample
+    for n in (1, 2):
+        table[f"DepthwiseConv{n}D"] = replicated(*_DEPTHWISE_GRADS)
+        table[f"SeparableConv{n}D"] = replicated(*_DEPTHWISE_GRADS)
+    for name in ("SimpleRNN", "GRU", "LSTM"):
+        table[name] = sample
+    for name in (*BINARY_OPS, "Average"):
+        table[name] = Capability(_binary)
+    for name in (
+        "Activation ReLU LeakyReLU ELU Relu Relu6 Sigmoid Tanh Exp "
+        "Log Sqrt Square Abs Absolute Negative Gelu Silu Softplus Softsign "
+        "Elu Selu LeakyRelu HardSigmoid HardSilu"
+    ).split():
+        table[name] = Capability(_activation)
+    table["PReLU"] = sample  # its alpha is shaped like a sample
+    for name in (
+        "Reshape Flatten Permute RepeatVector Identity ExpandDims Squeeze "
+        "GetItem Cast Rescaling GaussianNoise GaussianDropout "
+        "SpatialDropout1D SpatialDropout2D SpatialDropout3D"
+    ).split():
+        table[name] = sample
+    return table
+
+
+TABLE: Mapping[str, Capability] = _table()
+DEFAULT = Capability(sample_only)
+
+
+def listed(layer: Any) -> Capability | None:
+    """The table's entry for `layer`, None for a type it does not list
+    (a custom class, even one named like a Keras layer)."""
+    cls = type(layer)
+    if not cls.__module__.startswith("keras."):
+        return None
+    return TABLE.get(cls.__name__)
+
+
+def of_type(op_type: str) -> Capability:
+    """The entry for a Keras type name (the default for others)."""
+    return TABLE.get(op_type, DEFAULT)
+
+
+def replicated_ops() -> frozenset[str]:
+    """Every TensorFlow op the table runs replicated."""
+    return frozenset(op for c in TABLE.values() for op in c.replicated_ops)
+
+
+def splits(
+    layer: Any, ins: Shapes, outs: Shapes, arguments: Any = None
+) -> Splits:
+    """What a strategy may split of one call of `layer` (the table's rule,
+    the default for unlisted types), restricted to what is valid
+    whatever the rule said."""
+    call = LayerCall(layer, ins, outs, arguments)
+    capability = listed(layer) or DEFAULT
+    if not outs or not outs[0]:
+        return Splits({}, {})
+    return _restrict(capability.splits(call), call)
+
+
+def _restrict(found: Splits, call: LayerCall) -> Splits:
+    """Several outputs cannot all follow one `dims` (sample only), and
+    an output without the batch dim (a reduction over the batch, a
+    scalar) must not be split as if it had one."""
+    kinds, axes = dict(found.kinds), dict(found.weight_axes)
+    if len(call.outs) != 1:
+        kinds = {0: SAMPLE} if 0 in kinds else {}
+        axes = {}
+    if not _has_batch_dim(call):
+        kinds, axes = {}, {}
+    return Splits(kinds, axes)
+
+
+def _has_batch_dim(call: LayerCall) -> bool:
+    """Whether output 0 starts with the batch dim of the inputs."""
+    ins, outs = call.ins, call.outs
+    tensors = getattr(call.arguments, "keras_tensors", None)
+    if tensors is not None and len(tensors) == len(ins):
+        batches = {
+            shape[0]
+            for kt, shape in zip(tensors, ins)
+            if kt.shape and kt.shape[0] is None
+        }
+    else:
+        batches = {shape[0] for shape in ins if shape}
+    return not batches or outs[0][0] in batches
+
+
+# --- what a probe finds (runtime/probe.py) ----------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Probed:
+    """What running one unlisted layer on DTensor found.
+
+    Args:
+        replicated_ops: TensorFlow ops that needed DTensor's replicated
+            switch.
+        error: Why it does not run even so (None: it runs).
+        splits_batch: False when it ran only with its inputs replicated.
+            A layer that needs replicated ops or inputs declares no
+            split, like the table's replicated entries.
+    """
+
+    replicated_ops: tuple[str, ...] = ()
+    error: str | None = None
+    splits_batch: bool = True
+
+    @property
+    def replicated(self) -> bool:
+        return bool(self.replicated_ops) or not self.splits_batch
+
+    def to_json(self) -> dict:
+        return {"replicated_ops": list(self.replicated_ops),
+                "error": self.error, "splits_batch": self.splits_batch}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> "Probed":
+        return cls(
+            tuple(data.get("replicated_ops", ())), data.get("error"),
+            bool(data.get("splits_batch", True)),
+        )
+
+
+def apply_probes(graph: Any, probed: Mapping[str, Probed]) -> Any:
+    """`graph` with the probed ops' splits: unchanged (the batch) for a
+    layer that runs as is, none for one that runs only replicated.
+
+    Raises:
+        Unsupported: naming each op that does not run on DTensor at all.
+    """
+    failed = {name: p.error for name, p in probed.items() if p.error}
+    if failed:
+        listing = "; ".join(f"'{n}': {e}" for n, e in sorted(failed.items()))
+        raise Unsupported(
+            f"TensorFlow's DTensor cannot run these layers, even "
+            f"replicated: {listing}"
+        )
+    ops = tuple(
+        dataclasses.replace(op, partitionable={})
+        if op.name in probed and probed[op.name].replicated else op
+        for op in graph
+    )
+    return type(graph)(
+        ops, graph.tensors, graph.inputs, graph.outputs, graph.batch_size
+    )
