@@ -131,7 +131,7 @@ class _PlanningModel(StrategyTrainer):
 
     def _ensure_plan(self, batch_size: int) -> None:
         """Plans for `batch_size` once, then attaches it to the runtime."""
-        from flexflow_keras import planner, runtime
+        from flexflow_keras import capabilities, planner, runtime
 
         reason = _why_plain_keras(self)
         if reason is not None:
@@ -142,11 +142,21 @@ class _PlanningModel(StrategyTrainer):
         plan = self._ff_plans.get(batch_size)
         if plan is None:
             own_step = "; ".join(runtime.own_step_reasons(self))
-            plan = planner.make_plan(
-                self, batch_size, self._ff_settings,
-                optimizer=getattr(self, "optimizer", None),
-                one_mesh_reason=own_step or None,
-            )
+            try:
+                plan = planner.make_plan(
+                    self, batch_size, self._ff_settings,
+                    optimizer=getattr(self, "optimizer", None),
+                    one_mesh_reason=own_step or None,
+                    probe=runtime.probe_graph,
+                )
+            except capabilities.Unsupported as error:
+                self._ff_runtime_failure = (
+                    f"Model '{self.name}' trains as plain Keras on one "
+                    f"device: {error}."
+                )
+                warnings.warn(self._ff_runtime_failure, stacklevel=3)
+                self._ff_warned_plain = True
+                return
             self._ff_plans[batch_size] = plan
         if plan is not self._ff_plan:
             runtime.attach_strategy(self, plan.graph, plan.strategy)

@@ -6,7 +6,7 @@ and the command line (`python -m flexflow_keras`) plans the same way.
 
 import dataclasses
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from flexflow_keras.graph import OpGraph, build_graph
@@ -62,6 +62,7 @@ def make_plan(
     optimizer: Any = None,
     verbose: int = 1,
     one_mesh_reason: str | None = None,
+    probe: Callable[[OpGraph], OpGraph] | None = None,
 ) -> Plan:
     """Builds the graph and picks its strategy, per the settings.
 
@@ -74,12 +75,19 @@ def make_plan(
     (`search_space.one_mesh_configs`): the search explores that space,
     data parallelism is its batch split, and an imported strategy over
     several meshes is replaced by a search there, with a warning.
+
+    `probe` (the runtime's `probe_graph`) learns what DTensor runs of the
+    layers `capabilities.TABLE` does not list before anything is
+    proposed; it raises `capabilities.Unsupported` for a layer that
+    DTensor cannot run at all.
     """
     from flexflow_keras import machine as machine_lib
     from flexflow_keras import search, search_space, simulator
     from flexflow_keras import strategy_files
 
     graph = build_graph(model, batch_size)
+    if probe is not None:
+        graph = probe(graph)
     machine = machine_lib.load_machine(settings.machine)
     num_devices = machine.num_devices
     sim = simulator.Simulator(
@@ -135,11 +143,12 @@ def _one_mesh_reason(graph: OpGraph) -> str | None:
 
     - A shared layer's later calls: over several meshes each call's
       segment would update the layer's weights (`runtime.step`).
-    - Layers of the user's own code (custom classes, `Lambda`): which
-      TensorFlow ops they run is known only when a step is traced, and
-      on one mesh a missing DTensor rule hands the model to plain Keras
-      before anything changed, while over several meshes it could stop
-      a step half-way.
+    - Layers of the user's own code (custom classes, `Lambda`): the
+      probe (`runtime/probe.py`) runs them on one mesh with a split
+      batch; what they do between segments of several meshes is not
+      measured, and on one mesh a failure found when the step is first
+      traced still hands the model to plain Keras before anything
+      changed.
     """
     shared = [op.name for op in graph if op.shares_weights_with]
     if shared:

@@ -1,0 +1,296 @@
+"""What DTensor runs of layers the capability table does not list.
+
+`capabilities.TABLE` holds what was measured for Keras's layers. A layer
+it does not list (a script's own class, a Keras layer not measured here)
+is probed before the search proposes anything for it, so that nothing
+fails half-way through a training step:
+
+1. Its call runs forward and backward once in plain TensorFlow, on
+   inputs shaped like the graph's (a batch of 4). If that fails the
+   probe says nothing (the layer keeps the default batch split; it may
+   only need real data).
+2. It runs the same on a 2-device DTensor mesh, batch split, inside the
+   runtime's op substitutes and RNN unrolling. An error naming an op
+   that has no DTensor layout rule turns on DTensor's replicated switch
+   for that op (`op_rules.enable`) and the probe runs again.
+3. If it still fails, it runs once more with every input replicated.
+4. What it needed is a `capabilities.Probed`: nothing (the layer splits
+   its batch), replicated ops or replicated inputs (the layer declares
+   no split and runs replicated), or an error (it cannot run on DTensor:
+   the model trains as plain Keras, decided before the search).
+
+Results are cached on disk (`~/.cache/flexflow_keras/capabilities.json`)
+by layer class, config, input shapes and dtypes and TensorFlow version:
+a layer type is probed once per machine.
+"""
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from flexflow_keras import capabilities
+from flexflow_keras.capabilities import Probed
+from flexflow_keras.graph import Op, OpGraph
+from flexflow_keras.runtime import op_rules
+from flexflow_keras.runtime.unroll import unrolled
+
+DEFAULT_CACHE_PATH = os.path.join(
+    os.path.expanduser("~"), ".cache", "flexflow_keras", "capabilities.json"
+)
+PROBE_BATCH = 4
+_MAX_SWITCHES = 4  # ops turned replicated before a probe gives up
+_MISSING_RULE = re.compile(r"'tf\.(\w+)' op does not implement")
+# Ops that crash the process under DTensor (measured, TF 2.21: a
+# segmentation fault), so the probe never runs them there.
+_CRASH_DTENSOR = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
+
+
+def probe_graph(
+    graph: OpGraph,
+    device_names: tuple[str, ...],
+    cache_path: str | None = None,
+) -> OpGraph:
+    """`graph` with the splits of its unlisted layers probed.
+
+    Raises:
+        capabilities.Unsupported: a layer DTensor cannot run at all.
+    """
+    ops = [op for op in graph if _needs_probe(op)]
+    if not ops or len(device_names) < 2:
+        return graph
+    cache = _Cache(cache_path or DEFAULT_CACHE_PATH)
+    mesh = dtensor.create_mesh([("batch", 2)], devices=list(device_names[:2]))
+    found: dict[str, Probed] = {}
+    for op in ops:
+        key = probe_key(op, graph)
+        probed = cache.get(key)
+        if probed is None:
+            probed = probe_op(op, graph, mesh)
+            if probed is not None:
+                cache.put(key, probed)
+        if probed is not None:
+            op_rules.enable(probed.replicated_ops)
+            found[op.name] = probed
+    return capabilities.apply_probes(graph, found)
+
+
+def _needs_probe(op: Op) -> bool:
+    """Unlisted, splittable, and its layer's first call (shared layers'
+    later calls run the same code)."""
+    return (
+        op.layer is not None
+        and capabilities.listed(op.layer) is None
+        and bool(op.partitionable)
+        and op.shares_weights_with is None
+    )
+
+
+def probe_key(op: Op, graph: OpGraph) -> str:
+    """Cache key: layer class, config, non-batch input shapes and dtypes,
+    TensorFlow version."""
+    cls = type(op.layer)
+    try:
+        config = json.dumps(op.layer.get_config(), sort_keys=True,
+                            default=repr)
+    except Exception:  # a custom layer without a usable get_config
+        config = ""
+    parts = [
+        f"{cls.__module__}.{cls.__qualname__}",
+        hashlib.sha1(config.encode()).hexdigest()[:16],
+        ";".join(
+            f"{graph.tensors[t].shape[1:]}{graph.tensors[t].dtype}"
+            for t in op.inputs
+        ),
+        f"tf{tf.__version__}",
+    ]
+    return "|".join(parts)
+
+
+def probe_op(op: Op, graph: OpGraph, mesh: Any) -> Probed | None:
+    """What running `op` on `mesh` needs; None when even plain TensorFlow
+    cannot run it on probe inputs (nothing learned)."""
+    inputs = _probe_inputs(op, graph)
+    try:
+        op_types = _forward_backward(op, inputs, None)
+    except Exception:
+        return None
+    crashing = sorted(op_types & _CRASH_DTENSOR)
+    if crashing:
+        return Probed(error=(
+            f"it runs Python inside the graph ({', '.join(crashing)}: "
+            "tf.numpy_function / tf.py_function), which DTensor cannot "
+            "run; write it with TensorFlow or keras.ops"
+        ))
+    needed: list[str] = []
+    while True:
+        try:
+            ran = _forward_backward(op, inputs, mesh)
+            return Probed(_switched(ran, needed))
+        except Exception as error:  # DTensor raises several kinds
+            failure = _first_line(error)
+            missing = _MISSING_RULE.search(str(error))
+            name = missing.group(1) if missing else None
+            if (name is None or name in needed
+                    or len(needed) >= _MAX_SWITCHES):
+                break
+            needed.append(name)
+            op_rules.enable([name])
+    try:  # not with a split batch: whole on every device?
+        ran = _forward_backward(op, inputs, mesh, split=False)
+        return Probed(_switched(ran, needed), splits_batch=False)
+    except Exception:
+        return Probed(tuple(needed), failure)
+
+
+def _switched(ran: frozenset[str], needed: list[str]) -> tuple[str, ...]:
+    """The ops the probe switched, and the ops it ran whose switch was on
+    already: DTensor reads a switch once per process and keeps it
+    (measured), so an op found missing by an earlier probe, or listed in
+    the table, runs replicated here without failing first."""
+    already = {t for t in ran if op_rules.switch(t) in os.environ}
+    return tuple(sorted(set(needed) | already))
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    message = next((line for line in text if "error:" in line), None)
+    message = message or (text[0] if text else "")
+    return f"{type(error).__name__}: {message.strip()[:300]}"
+
+
+def _probe_inputs(op: Op, graph: OpGraph) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    values = []
+    for name in op.inputs:
+        info = graph.tensors[name]
+        shape = (PROBE_BATCH,) + tuple(info.shape[1:])
+        dtype = np.dtype(info.dtype)
+        if np.issubdtype(dtype, np.floating):
+            values.append(rng.normal(size=shape).astype(dtype))
+        else:  # indices, masks: zeros are valid for any table
+            values.append(np.zeros(shape, dtype))
+    return values
+
+
+def _forward_backward(
+    op: Op, inputs: list, mesh: Any, split: bool = True
+) -> frozenset[str]:
+    """One forward and backward pass of `op` (on `mesh`, batch split or
+    replicated, or in plain TensorFlow when `mesh` is None); the types of
+    the TensorFlow ops it ran."""
+    layer = op.layer
+    trainable = list(getattr(layer, "trainable_variables", ()))
+    others = list(getattr(layer, "non_trainable_variables", ()))
+
+    def put(value):
+        value = tf.convert_to_tensor(value)
+        if mesh is None:
+            return value
+        return dtensor.copy_to_mesh(
+            value, dtensor.Layout.replicated(mesh, value.shape.rank)
+        )
+
+    def batch_split(x):
+        if mesh is None or not split or not x.shape.rank:
+            return x
+        specs = ["batch"] + [dtensor.UNSHARDED] * (x.shape.rank - 1)
+        return dtensor.relayout(x, dtensor.Layout(specs, mesh))
+
+    # As the runtime does: the batch comes in replicated, is split inside
+    # the function, and the function is traced with the batch dim unknown
+    # (some gradients, AvgPoolGrad's, fail only then).
+    xs = [put(x) for x in inputs]
+    specs = [tf.TensorSpec((None,) + x.shape[1:], x.dtype) for x in inputs]
+    weights = [put(v.value) for v in trainable]
+    states = [put(v.value) for v in others]
+
+    def step(xs, weights, states):
+        xs = [batch_split(x) for x in xs]
+        floats = [x for x in xs if x.dtype.is_floating]
+        with tf.GradientTape() as tape:
+            tape.watch(floats + list(weights))
+
+            args, kwargs = op.fill_arguments(dict(zip(op.inputs, xs)))
+            if getattr(layer, "_call_has_training_arg", False):
+                kwargs = dict(kwargs, training=True)
+            if hasattr(layer, "stateless_call"):
+                outputs, _ = layer.stateless_call(
+                    weights, states, *args, **kwargs
+                )
+            else:  # a keras.ops operation: no variables
+                outputs = layer(*args, **kwargs)
+            flat = [
+                o for o in tf.nest.flatten(outputs)
+                if getattr(o, "dtype", tf.int32).is_floating
+            ]
+            # Squared: a constant upstream gradient (that of a plain sum)
+            # lets DTensor skip the layout propagation some gradient
+            # ops lack (measured: AvgPoolGrad).
+            loss = tf.add_n([tf.reduce_sum(o * o) for o in flat]) if flat \
+                else None
+        if loss is None:
+            return outputs, []
+        grads = tape.gradient(loss, floats + list(weights))
+        # Returned: a gradient left unused is pruned and never runs.
+        return outputs, [tf.convert_to_tensor(g) for g in grads
+                         if g is not None]
+
+    function = tf.function(step, autograph=False)
+    with unrolled(layer), (
+        op_rules.substitutes(mesh) if mesh is not None
+        else contextlib.nullcontext()
+    ):
+        concrete = function.get_concrete_function(specs, weights, states)
+        concrete(xs, weights, states)
+    return _op_types(concrete.graph.as_graph_def())
+
+
+def _op_types(graph_def: Any) -> frozenset[str]:
+    """Every op type in a GraphDef, its function library included."""
+    types = {node.op for node in graph_def.node}
+    for function in graph_def.library.function:
+        types.update(node.op for node in function.node_def)
+    return frozenset(types)
+
+
+class _Cache:
+    """`Probed` results on disk, JSON, written atomically."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._entries: dict[str, Mapping] | None = None
+
+    def _load(self) -> dict:
+        if self._entries is None:
+            self._entries = {}
+            try:
+                with open(self.path) as f:
+                    self._entries = json.load(f)
+            except (OSError, ValueError):
+                pass  # absent or unreadable: probe again
+        return self._entries
+
+    def get(self, key: str) -> Probed | None:
+        entry = self._load().get(key)
+        return None if entry is None else Probed.from_json(entry)
+
+    def put(self, key: str, probed: Probed) -> None:
+        self._load()[key] = probed.to_json()
+        folder = os.path.dirname(self.path)
+        try:
+            if folder:
+                os.makedirs(folder, exist_ok=True)
+            tmp = f"{self.path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(self._entries, f, indent=0, sort_keys=True)
+            os.replace(tmp, self.path)  # readers never see half a file
+        except OSError:
+            pass  # a read-only home: probe again next time
