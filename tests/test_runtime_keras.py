@@ -337,3 +337,63 @@ class RuntimeMultiOutputTest(unittest.TestCase):
                                        rtol=1e-5, err_msg=key)
         for a, b in zip(model.get_weights(), ref.get_weights()):
             self.assertLess(support.relative_error(a, b), 1e-5)
+
+
+class TracingTest(unittest.TestCase):
+    """Every compiled step function is traced once, whatever the batch
+    sizes (partial batches, validation, evaluate, predict), and
+    TensorFlow prints no retracing warning."""
+
+    def run_everything(self, strategy_of):
+        from flexflow_keras.graph import build_graph
+
+        inputs = keras.Input((32,))
+        h = keras.layers.Dense(64, activation="relu", name="d0")(inputs)
+        h = keras.layers.Dense(64, activation="relu", name="d1")(h)
+        model = support.StrategyModel(
+            inputs, keras.layers.Dense(10, name="d2")(h)
+        )
+        model.compile(
+            optimizer="adam", metrics=["accuracy"],
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        rng = np.random.default_rng(0)
+        x = rng.random((500, 32), dtype=np.float32)
+        y = rng.integers(0, 10, 500)
+        graph = build_graph(model, 32)
+        runtime.attach_strategy(model, graph, strategy_of(graph))
+        with self.assertNoLogs("tensorflow", "WARNING"):
+            model.fit(x, y, batch_size=32, epochs=3, verbose=0,
+                      validation_split=0.1)
+            model.evaluate(x, y, batch_size=32, verbose=0)
+            model.predict(x, batch_size=32, verbose=0)
+        return model.strategy_executor
+
+    def test_several_meshes(self):
+        from flexflow_keras.runtime.step import Executor
+        from flexflow_keras.strategy import ParallelConfig, Strategy
+
+        executor = self.run_everything(lambda graph: Strategy({
+            "d0": ParallelConfig((4, 1), (0, 1, 2, 3)),
+            "d1": ParallelConfig((1, 1), (2,)),
+            "d2": ParallelConfig((2, 1), (0, 1)),
+        }))
+        self.assertIsInstance(executor, Executor)
+        counts = {key: f.experimental_get_tracing_count()
+                  for key, f in executor._fns.items()
+                  if hasattr(f, "experimental_get_tracing_count")}
+        self.assertGreater(len(counts), 12)  # forward/backward x variants
+        self.assertEqual(set(counts.values()), {1}, counts)
+
+    def test_one_mesh(self):
+        from flexflow_keras.runtime.model_step import ModelStepExecutor
+        from flexflow_keras.strategy import Strategy
+
+        executor = self.run_everything(
+            lambda graph: Strategy.data_parallel(graph, 4)
+        )
+        self.assertIsInstance(executor, ModelStepExecutor)
+        counts = {key: f.experimental_get_tracing_count()
+                  for key, f in executor._functions.items()}
+        self.assertGreaterEqual(len(counts), 4)  # train/test/predict x sizes
+        self.assertEqual(set(counts.values()), {1}, counts)

@@ -42,6 +42,7 @@ from flexflow_keras.runtime import deferred, op_rules
 from flexflow_keras.runtime.fallback import fall_back
 from flexflow_keras.runtime.keras_functions import keras_function
 from flexflow_keras.runtime.layouts import OpPlan, replicated
+from flexflow_keras.runtime.tracing import step_function
 from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.variables import (
     attributes_set, gather, layer_constants, to_layout,
@@ -318,7 +319,7 @@ class ModelStepExecutor:
         def traced_once() -> Any:
             # No AutoGraph, as Keras traces its own steps (so a step runs
             # as it does in Keras), and no converted-call cache to go stale.
-            @tf.function(autograph=False)
+            @step_function
             def traced(data):
                 self._sharded = batch == self.graph.batch_size
                 with self._realized():

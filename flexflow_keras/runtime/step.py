@@ -25,6 +25,7 @@ from flexflow_keras.graph import function_of
 from flexflow_keras.runtime import op_rules
 from flexflow_keras.runtime.fallback import fall_back
 from flexflow_keras.runtime.keras_functions import keras_function
+from flexflow_keras.runtime.tracing import step_function
 from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.layouts import replicated, segments
 from flexflow_keras.runtime.optimizers import Updater
@@ -57,7 +58,7 @@ def _batch_relaxed(python_function):
     its per-output loss trackers get `sample_weight=None`: a plain mean
     over batches. Tracing with a None batch keeps that quirk identical.
     """
-    function = tf.function(python_function, autograph=False)
+    function = step_function(python_function)
     traced = set()
 
     def spec(value):
@@ -256,7 +257,7 @@ class Executor:
     def _make_forward(self, index, training, sharded, batch):
         seg = self.segments[index]
 
-        @tf.function(autograph=False)
+        @step_function
         def forward(inputs):
             values = dict(zip(seg.inputs, inputs))
             self._run_segment(seg, values, training, sharded)
@@ -273,7 +274,7 @@ class Executor:
         seg = self.segments[index]
         dvars = self._seg_dvars(seg)
 
-        @tf.function(autograph=False)
+        @step_function
         def backward(inputs, out_grads, hyper):
             floats = [x for x in inputs if _is_float(x)]
             with tf.GradientTape() as tape:
