@@ -31,7 +31,8 @@ setup(
         "protobuf>=6.31.1,<8",  # what TensorFlow 2.21 accepts
         "absl-py>=2.1",
     ],
-    extras_require={"test": ["pytest>=8"]},
+    # bench: Keras on JAX in bench/runtime_bench.py (side by side only).
+    extras_require={"test": ["pytest>=8"], "bench": ["jax"]},
     entry_points={
         "console_scripts": ["flexflow-keras=flexflow_keras.__main__:main"]
     },

@@ -112,6 +112,16 @@ class MachineModel:
         inter: The inter-node NICs; None for a single node.
         nics_per_node: NICs per node (`h100x64` has one per GPU).
         live: True for the attached TensorFlow devices (measured costs).
+        compute_groups: How many devices compute at once: devices
+            `d` and `d + k * compute_groups` share one serial compute
+            resource (virtual CPU devices share the host's cores). None:
+            every device computes on its own.
+        step_overhead_ms: Fixed cost of one training step beyond its
+            tasks (launching the step, moving the batch in).
+        allreduce: (latency ms, GB/s) of a measured all-reduce, by the
+            bytes reduced; None: a ring over the links.
+        call_overhead_ms: Cost of calling one compiled function on the
+            devices (a strategy over several meshes makes more calls).
     """
 
     def __init__(
@@ -124,8 +134,17 @@ class MachineModel:
         inter: LinkGroup | None = None,
         nics_per_node: int = 1,
         live: bool = False,
+        compute_groups: int | None = None,
+        step_overhead_ms: float = 0.0,
+        allreduce: tuple[float, float] | None = None,
+        call_overhead_ms: float = 0.0,
     ):
         _check_shape(num_nodes, devices_per_node, nics_per_node)
+        if compute_groups is not None and compute_groups < 1:
+            raise ValueError(
+                "`compute_groups` must be None or >= 1. Received: "
+                f"compute_groups={compute_groups!r}"
+            )
         if intra.kind not in INTRA_KINDS:
             raise ValueError(
                 f"Intra-node links must be one of {INTRA_KINDS}. "
@@ -141,6 +160,10 @@ class MachineModel:
         self.devices_per_node = devices_per_node
         self.nics_per_node = min(nics_per_node, devices_per_node)
         self.live = live
+        self.compute_groups = compute_groups
+        self.step_overhead_ms = float(step_overhead_ms)
+        self.allreduce = allreduce
+        self.call_overhead_ms = float(call_overhead_ms)
         self.intra, self.inter = intra, inter
         self.devices = tuple(
             dataclasses.replace(device, node=i // devices_per_node)
@@ -171,6 +194,12 @@ class MachineModel:
             f"kind={self.devices[0].kind!r}, intra={self.intra.kind!r}, "
             f"num_links={len(self.links)})"
         )
+
+    def compute_resource(self, device: int) -> int:
+        """The serial compute resource `device` runs its tasks on."""
+        if self.compute_groups is None:
+            return device
+        return device % self.compute_groups
 
     def route(self, src: int, dst: int) -> Route:
         """The route from device `src` to device `dst` (src != dst)."""
@@ -380,8 +409,12 @@ _GPU_TABLE = {
 
 
 def live_machine() -> MachineModel:
-    """The attached TensorFlow devices as one node (costs measured)."""
-    from flexflow_keras import devices
+    """The attached TensorFlow devices as one node (costs measured).
+
+    Links, how many devices compute at once and the fixed cost of a step
+    are measured on them once (`calibration.py`); nominal figures where
+    that is turned off."""
+    from flexflow_keras import calibration, devices
 
     names = devices.device_names()
     if devices.device_kind() == "GPU":
@@ -395,7 +428,26 @@ def live_machine() -> MachineModel:
         )
         # Virtual CPU devices share host memory: a copy is a memcpy.
         intra = LinkGroup("host", 10.0, _us(5.0))
-    return MachineModel("live", spec, 1, len(names), intra, live=True)
+    measured = calibration.live_calibration(names)
+    if measured is None:
+        return MachineModel("live", spec, 1, len(names), intra, live=True)
+    # Op costs are measured; the spec's bandwidth and launch cost are what
+    # `cost.update_ms` reads, so they are the measured update's.
+    spec = dataclasses.replace(
+        spec, memory_gbps=measured.update_gbps,
+        launch_overhead_ms=measured.update_overhead_ms,
+    )
+    intra = LinkGroup(
+        intra.kind, measured.link_gbps, measured.link_latency_ms
+    )
+    groups = measured.compute_groups
+    return MachineModel(
+        "live", spec, 1, len(names), intra, live=True,
+        compute_groups=None if groups >= len(names) else groups,
+        step_overhead_ms=measured.step_overhead_ms,
+        allreduce=(measured.allreduce_latency_ms, measured.allreduce_gbps),
+        call_overhead_ms=measured.call_overhead_ms,
+    )
 
 
 def _live_gpu_spec() -> DeviceSpec:

@@ -50,6 +50,8 @@ class SearchResult:
         wall_s: Wall time of the search (s).
         interrupted: True when Ctrl-C ended it.
         seed: The seed used (drawn when None was given).
+        one_device_ms: Simulated step time of every op on device 0 (ms),
+            which the search does not propose (see `search`).
     """
 
     strategy: Strategy
@@ -60,6 +62,7 @@ class SearchResult:
     wall_s: float = 0.0
     interrupted: bool = False
     seed: int | None = None
+    one_device_ms: float = math.nan
 
     @property
     def speedup(self) -> float:
@@ -117,6 +120,12 @@ def search(
             `one_mesh_data_parallel`; for models that run their own
             training step. None: the whole SOAP space.
 
+    A strategy that puts every op on one device is never proposed when
+    there are several: that is plain Keras on one device, which needs no
+    search, and where the simulator finds it faster (virtual CPU devices
+    share the host's cores: no split can speed a step up), the report
+    says so (`SearchResult.one_device_ms`).
+
     Returns:
         A `SearchResult`.
     """
@@ -152,12 +161,15 @@ def search(
     }
     accepted = iteration = 0
     interrupted = False
+    used = _DeviceUse(current) if num_devices > 1 else None
     try:
         for iteration in range(1, budget + 1):
             if reset_every and iteration % reset_every == 0 and (
                 current is not best
             ):
                 current, cur_ms = best, _ms(simulator.start(best))
+                if used is not None:
+                    used = _DeviceUse(current)
             op = ops[rng.randrange(len(ops))]
             config = None
             if propagation and rng.random() < propagation:
@@ -171,8 +183,13 @@ def search(
             elif config is None:
                 config = random_config(op, num_devices, rng)
             next_ms = cur_ms
+            tied = ties.get(op.name)
+            names = tied or (op.name,)
+            if used is not None and used.one_device_after(
+                current, names, config
+            ):
+                config = current[op.name]  # not proposed: see docstring
             if config != current[op.name]:
-                tied = ties.get(op.name)
                 if tied is None:
                     next_ms = _ms(simulator.propose(op.name, config))
                 else:  # a shared layer's calls change together
@@ -181,7 +198,9 @@ def search(
                     ))
                 if _accept(next_ms, cur_ms, alpha, rng):
                     simulator.accept()
-                    for name in tied or (op.name,):
+                    for name in names:
+                        if used is not None:
+                            used.replace(current[name], config)
                         current = current.replace(name, config)
                     cur_ms = next_ms
                     accepted += 1
@@ -198,6 +217,11 @@ def search(
         if verbose:
             out(f"Search interrupted after {iteration} iterations; "
                 "keeping the best strategy found so far.")
+    one_device_ms = math.nan
+    if used is not None:
+        one_device_ms = _ms(simulator.simulate(Strategy.data_parallel(
+            graph, 1
+        )))
     result = SearchResult(
         strategy=best,
         best_ms=best_ms,
@@ -207,10 +231,46 @@ def search(
         wall_s=time.perf_counter() - start,
         interrupted=interrupted,
         seed=seed,
+        one_device_ms=one_device_ms,
     )
     if verbose:
         out(report(result))
     return result
+
+
+class _DeviceUse:
+    """How many op parts each device holds, to tell a strategy on one
+    device in O(parts) per change."""
+
+    def __init__(self, strategy: Strategy):
+        self.parts: dict[int, int] = {}
+        for config in strategy.values():
+            self._add(config, 1)
+
+    def _add(self, config: Any, sign: int) -> None:
+        for device in config.device_ids:
+            count = self.parts.get(device, 0) + sign
+            if count:
+                self.parts[device] = count
+            else:
+                del self.parts[device]
+
+    def replace(self, old: Any, new: Any) -> None:
+        self._add(old, -1)
+        self._add(new, 1)
+
+    def one_device_after(
+        self, strategy: Strategy, names: tuple[str, ...], config: Any
+    ) -> bool:
+        """Whether giving `names` the `config` leaves one device in use."""
+        if config.num_parts > 1:
+            return False
+        for name in names:
+            self.replace(strategy[name], config)
+        single = len(self.parts) == 1
+        for name in names:
+            self.replace(config, strategy[name])
+        return single
 
 
 def _neighbour_config(
@@ -275,6 +335,14 @@ def report(result: SearchResult) -> str:
         f"{summary} after {result.iterations} iterations in "
         f"{result.wall_s:.1f} s.",
     ]
+    if result.one_device_ms < result.best_ms:
+        lines.append(
+            f"On one device the simulator finds {result.one_device_ms:.3f}"
+            " ms: these devices cannot speed the step up (virtual CPU "
+            "devices share the host's cores). The search keeps to "
+            "strategies over several devices; `--cpu-devices 1` trains "
+            "on one."
+        )
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ from flexflow_keras.cost import CostModel
 from flexflow_keras.graph import OpGraph
 from flexflow_keras.machine import MachineModel
 from flexflow_keras.schedule import Compiled, Schedule, no_gc
+from flexflow_keras.search_space import is_one_mesh
 from flexflow_keras.strategy import ParallelConfig, Strategy
 
 
@@ -35,8 +36,9 @@ class SimResult:
     """Outcome of simulating one training step.
 
     Args:
-        step_ms: Simulated makespan of one step, in ms. Computed (finite)
-            also when the strategy is infeasible.
+        step_ms: Simulated makespan of one step plus the machine's fixed
+            `step_overhead_ms`, in ms. Computed (finite) also when the
+            strategy is infeasible.
         busy_ms: Per device, ms of compute tasks (forward, backward,
             update).
         comm_bytes: Bytes over links: activations and their gradients
@@ -97,15 +99,17 @@ class Simulator:
     def simulate(self, strategy: Strategy) -> SimResult:
         """Full simulation of `strategy`; keeps no state."""
         with no_gc():
-            _, _, compiled, schedule = self._full(strategy)
-            return self._result(compiled, schedule)
+            configs, _, compiled, schedule = self._full(strategy)
+            return self._result(compiled, schedule, configs)
 
     def start(self, strategy: Strategy) -> SimResult:
         """Full simulation that becomes the base of delta simulations."""
         with no_gc():
             self._state = self._full(strategy)
             self._proposal = None
-            return self._result(self._state[2], self._state[3])
+            return self._result(
+                self._state[2], self._state[3], self._state[0]
+            )
 
     # Delta simulation ------------------------------------------------
 
@@ -139,7 +143,7 @@ class Simulator:
             new_schedule = schedule.rerun(new_compiled)
             self._proposal = (new_configs, new_pieces, new_compiled,
                               new_schedule)
-            return self._result(new_compiled, new_schedule)
+            return self._result(new_compiled, new_schedule, new_configs)
 
     def accept(self) -> None:
         """Makes the last proposal the current strategy."""
@@ -206,7 +210,9 @@ class Simulator:
         kind, name = slot[0], slot[1]
         op, i = self.graph.op(name), self._index[name]
         if kind == "op":
-            return taskgraph.op_piece(op, i, configs[name], self.cost)
+            return taskgraph.op_piece(
+                op, i, configs[name], self.cost, self.machine
+            )
         if kind == "edge":
             producer = self.graph.op(slot[2])
             return taskgraph.edge_piece(
@@ -221,16 +227,41 @@ class Simulator:
             self.machine, self.cost, family, self.slots
         )
 
-    def _result(self, compiled: Compiled, schedule: Schedule) -> SimResult:
+    def _result(
+        self, compiled: Compiled, schedule: Schedule, configs: dict
+    ) -> SimResult:
         busy = tuple(float(x) for x in compiled.busy_ms())
         peak = tuple(int(math.ceil(m)) for m in compiled.memory_bytes())
         feasible = all(
             p <= d.memory_bytes for p, d in zip(peak, self.machine.devices)
         )
+        step_ms = schedule.step_ms + self.machine.step_overhead_ms
+        if self.machine.live:
+            step_ms += self._several_meshes_ms(configs)
         return SimResult(
-            schedule.step_ms, busy, compiled.comm_bytes, peak,
-            feasible,
+            step_ms, busy, compiled.comm_bytes, peak, feasible,
         )
+
+    def _several_meshes_ms(self, configs: dict) -> float:
+        """What the runtime pays beyond the task graph for a strategy over
+        several meshes (`runtime/step.py`): one forward and one backward
+        function per segment (consecutive ops on one mesh), each call
+        `MachineModel.call_overhead_ms`, and every backward recomputes its
+        forward (added on the busiest compute resource: exact when the
+        devices share one, as virtual CPU devices do). One mesh: one
+        function, nothing more (already in `step_overhead_ms`)."""
+        meshes = [_mesh_key(configs[op.name]) for op in self._ops]
+        if is_one_mesh(Strategy(configs)):
+            return 0.0
+        segments = 1 + sum(a != b for a, b in zip(meshes, meshes[1:]))
+        recompute: dict[int, float] = collections.defaultdict(float)
+        for op in self._ops:
+            config = configs[op.name]
+            for device in config.device_ids:
+                forward_ms, _ = self.cost.op_cost(op, config, device)
+                recompute[self.machine.compute_resource(device)] += forward_ms
+        calls = (2 * segments - 1) * self.machine.call_overhead_ms
+        return calls + max(recompute.values(), default=0.0)
 
     def _check(self, strategy: Strategy) -> dict[str, ParallelConfig]:
         missing = [op.name for op in self._ops if op.name not in strategy]
@@ -330,3 +361,8 @@ class _Layout:
                 touched[name].append(k)
         self.touched = {n: tuple(ks) for n, ks in touched.items()}
         del index
+
+
+def _mesh_key(config: ParallelConfig) -> tuple:
+    """The runtime's mesh of a config: degrees > 1 and devices."""
+    return tuple(d for d in config.dims if d > 1), config.device_ids

@@ -97,21 +97,29 @@ class _Builder:
 
 
 def op_piece(
-    op: Op, index: int, config: ParallelConfig, cost: CostModel
+    op: Op, index: int, config: ParallelConfig, cost: CostModel,
+    machine: MachineModel | None = None,
 ) -> Piece:
-    """Forward and backward tasks of every part; saved activations."""
+    """Forward and backward tasks of every part; saved activations.
+
+    A part computes on its device's compute resource
+    (`MachineModel.compute_resource`: virtual devices share cores)."""
     b = _Builder()
     n = config.num_parts
     saved = op.output_bytes / n  # each part keeps its output share
+
+    def on(device):
+        return machine.compute_resource(device) if machine else device
+
     for i, device in enumerate(config.device_ids):
         forward_ms, _ = cost.op_cost(op, config, device)
-        b.task(forward_ms, (device,), priority(index, FWD, i),
+        b.task(forward_ms, (on(device),), priority(index, FWD, i),
                (FWD, op.name, f"part {i}"))
         b.busy.append((device, forward_ms))
         b.memory.append((device, saved))
     for i, device in enumerate(config.device_ids):
         _, backward_ms = cost.op_cost(op, config, device)
-        b.task(backward_ms, (device,), priority(index, BWD, i),
+        b.task(backward_ms, (on(device),), priority(index, BWD, i),
                (BWD, op.name, f"part {i}"))
         b.busy.append((device, backward_ms))
         b.deps.append((SELF, i, SELF, n + i))
@@ -183,13 +191,18 @@ def ring_allreduce_ms(
     """Ring all-reduce time (ms) over `devices` and the links it holds.
 
     2(p-1) steps, each moving bytes/p over every ring hop at once; a step
-    lasts as long as its slowest hop (latency + bytes/p / bandwidth).
+    lasts as long as its slowest hop (latency + bytes/p / bandwidth). A
+    machine with a measured all-reduce (`MachineModel.allreduce`: the
+    live one) takes that time instead, on the same links.
     """
     p = len(devices)
     ring = sorted(devices)
     routes = [machine.route(ring[k], ring[(k + 1) % p]) for k in range(p)]
-    step_ms = max(r.transfer_ms(num_bytes / p) for r in routes)
     links = sorted({k for r in routes for k in r.links})
+    if machine.allreduce is not None:
+        latency_ms, gbps = machine.allreduce
+        return latency_ms + num_bytes / (gbps * 1e6), tuple(links)
+    step_ms = max(r.transfer_ms(num_bytes / p) for r in routes)
     return 2 * (p - 1) * step_ms, tuple(links)
 
 
@@ -252,7 +265,8 @@ def family_piece(
         for device in devices:  # sorted: priorities ascend
             ms = cost.update_ms(size, slots, device)
             t = b.task(
-                ms, (device,), priority(owner_index, UPDATE, group, device),
+                ms, (machine.compute_resource(device),),
+                priority(owner_index, UPDATE, group, device),
                 (UPDATE, owner.name, f"shard {group}"),
             )
             b.busy.append((device, ms))

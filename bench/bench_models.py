@@ -1,0 +1,57 @@
+"""The models the runtime benches train, with their data and batch size.
+
+Keras and NumPy only (no flexflow_keras), so `jax_dp_worker.py` can run
+them on the JAX backend. The builders are `tests/model_zoo.py`'s.
+"""
+
+import os
+import sys
+import time
+
+import keras
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import model_zoo  # noqa: E402
+
+MODELS = {
+    "mlp": (
+        lambda: model_zoo.mlp(input_dim=256, hidden=(512, 512), classes=10),
+        lambda n, r: (r.random((n, 256), dtype=np.float32),
+                      r.integers(0, 10, (n,))),
+        64,
+    ),
+    "cnn": (
+        lambda: model_zoo.cnn((32, 32, 3), (16, 32), 10, dropout_rate=0.0),
+        lambda n, r: (r.random((n, 32, 32, 3), dtype=np.float32),
+                      r.integers(0, 10, (n,))),
+        64,
+    ),
+    "transformer": (
+        lambda: model_zoo.transformer_block(seq=32, dim=64, heads=4),
+        lambda n, r: (r.random((n, 32, 64), dtype=np.float32),
+                      r.random((n, 32, 64), dtype=np.float32)),
+        32,
+    ),
+}
+
+
+
+def loss_of(name):
+    if name == "transformer":
+        return "mse"
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+class Timer(keras.callbacks.Callback):
+    """Seconds of each epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seconds.append(time.perf_counter() - self._start)

@@ -1,0 +1,121 @@
+"""Simulated against measured step time on the attached devices.
+
+For each bench model (`bench_models.MODELS`): data parallelism, the
+strategy the search finds, and random strategies from the search space.
+For each strategy: the simulator's step time on the live machine model,
+the measured median step time of `fit` (epoch time / steps, first epoch
+left out), their ratio, and at the end whether the simulator puts the
+measured-fastest and measured-slowest strategies in the same order.
+
+Usage:
+    python bench/fidelity_bench.py [--models mlp,cnn,transformer]
+        [--random 5] [--budget 200] [--epochs 3] [--steps 16]
+"""
+
+import argparse
+import os
+import random
+import statistics
+import sys
+
+os.environ.setdefault("FLEXFLOW_KERAS_CPU_DEVICES", "4")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import runtime_bench  # noqa: E402  (sets sys.path, devices first)
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench_models import MODELS, Timer, loss_of  # noqa: E402
+
+from flexflow_keras import machine as machine_lib  # noqa: E402
+from flexflow_keras import runtime, search, search_space  # noqa: E402
+from flexflow_keras.graph import build_graph  # noqa: E402
+from flexflow_keras.simulator import Simulator  # noqa: E402
+from flexflow_keras.strategy import Strategy  # noqa: E402
+
+ADAM_SLOTS = 2
+
+
+def _model(name):
+    builder, _, _ = MODELS[name]
+    keras.utils.set_random_seed(0)
+    base = builder()
+    model = runtime_bench.BenchModel(base._inputs_struct,
+                                     base._outputs_struct)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss_of(name))
+    return model
+
+
+def measured_ms(name, strategy, epochs, steps):
+    """Median ms per step of `fit` under `strategy` (epoch 0 left out)."""
+    _, data, batch = MODELS[name]
+    model = _model(name)
+    graph = build_graph(model, batch)
+    runtime.attach_strategy(model, graph, strategy)
+    x, y = data(batch * steps, np.random.default_rng(0))
+    timer = Timer()
+    model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0,
+              shuffle=False, callbacks=[timer])
+    return 1e3 * statistics.median(timer.seconds[1:]) / steps
+
+
+def strategies(name, machine, sim, budget, count, seed):
+    """(label, strategy) pairs: data parallelism, searched, random."""
+    graph = sim.graph
+    n = machine.num_devices
+    found = search.search(graph, sim, n, budget=budget, seed=seed,
+                          verbose=0).strategy
+    rng = random.Random(seed)
+    picked = [("data parallel", Strategy.data_parallel(graph, n)),
+              ("searched", found)]
+    picked += [
+        (f"random {k}", search_space.random_strategy(graph, n, rng))
+        for k in range(count)
+    ]
+    return picked
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="mlp,cnn,transformer")
+    parser.add_argument("--random", type=int, default=5)
+    parser.add_argument("--budget", type=int, default=200)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    machine = machine_lib.live_machine()
+    print(f"machine: {machine!r}")
+    print(f"{'model':<12} {'strategy':<14} {'simulated':>10} "
+          f"{'measured':>10} {'ratio':>6}   (ms/step)")
+    within = total = agree = models = 0
+    for name in args.models.split(","):
+        _, _, batch = MODELS[name]
+        graph = build_graph(_model(name), batch)
+        sim = Simulator(graph, machine, optimizer_slots=ADAM_SLOTS)
+        rows = []
+        for label, strategy in strategies(name, machine, sim, args.budget,
+                                          args.random, args.seed):
+            simulated = sim.simulate(strategy).step_ms
+            measured = measured_ms(name, strategy, args.epochs, args.steps)
+            rows.append((label, simulated, measured))
+            ratio = simulated / measured
+            within += abs(ratio - 1) <= 0.3
+            total += 1
+            print(f"{name:<12} {label:<14} {simulated:>10.2f} "
+                  f"{measured:>10.2f} {ratio:>6.2f}", flush=True)
+        fastest = min(rows, key=lambda r: r[2])
+        slowest = max(rows, key=lambda r: r[2])
+        ordered = fastest[1] < slowest[1]
+        agree += ordered
+        models += 1
+        print(f"{name:<12} measured fastest '{fastest[0]}', slowest "
+              f"'{slowest[0]}': simulator orders them "
+              f"{'right' if ordered else 'WRONG'}", flush=True)
+    print(f"within 30%: {within}/{total} strategies; fastest/slowest "
+          f"ordered right: {agree}/{models} models")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""What the attached devices really cost, measured once and cached.
+
+The simulator's picture of a preset is analytic; the attached devices
+are what `fit()` then runs on, so the live machine model is measured
+on them (like op costs, and cached on disk the same way):
+
+- `compute_groups`: how many devices compute at once. Virtual CPU
+  devices share the host's cores: a matmul split over N of them runs
+  about as long as the whole matmul on one (TensorFlow's intra-op
+  threads already use every core). Measured as the speed-up of a
+  batch-split matmul on a DTensor mesh of all devices over the same
+  matmul on one device.
+- `link_gbps`, `link_latency_ms`: a transfer between devices, fitted to
+  DTensor all-gathers (a batch-split tensor made replicated) of two
+  sizes: the simulator moves each part over its own link, so the fit is
+  per part.
+- `allreduce_gbps`, `allreduce_latency_ms`: a DTensor all-reduce (a sum
+  over the split batch made replicated: a weight gradient under data
+  parallelism), fitted the same way by the bytes of the result. DTensor
+  on CPU does not reduce in a ring, so the simulator prices the live
+  machine's all-reduce by this fit.
+- `update_overhead_ms`, `update_gbps`: Keras's Adam applied to weights
+  of two sizes on one device, fitted to `cost.update_ms`'s model (a fixed
+  cost per weight shard plus the bytes moved).
+- `call_overhead_ms`: one call of a compiled function on the mesh (a
+  strategy over several meshes makes two per segment).
+- `step_overhead_ms`: the fixed cost of one step: one DTensor function
+  call on the mesh, the batch copied onto it, and Keras's loop around
+  it (a plain Keras `fit` step of a one-weight model).
+
+Imports TensorFlow only when measuring. `live_calibration()` is what
+`machine.live_machine()` uses; `FLEXFLOW_KERAS_CALIBRATE=0` skips it
+(nominal figures, as before).
+"""
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+DEFAULT_CACHE_PATH = os.path.join(
+    os.path.expanduser("~"), ".cache", "flexflow_keras", "live_machine.json"
+)
+_VERSION = 2  # bump when what is measured changes
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Measured figures of the attached devices (module docstring)."""
+
+    compute_groups: int
+    link_latency_ms: float
+    link_gbps: float
+    allreduce_latency_ms: float
+    allreduce_gbps: float
+    call_overhead_ms: float
+    step_overhead_ms: float
+    update_overhead_ms: float
+    update_gbps: float
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Calibration":
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+
+def live_calibration(
+    device_names: tuple[str, ...], cache_path: str | None = None
+) -> Calibration | None:
+    """The calibration of `device_names` (cached; measured on a miss).
+    None for a single device or when turned off."""
+    if len(device_names) < 2 or os.environ.get(
+        "FLEXFLOW_KERAS_CALIBRATE", "1"
+    ) == "0":
+        return None
+    import tensorflow as tf
+
+    path = cache_path or DEFAULT_CACHE_PATH
+    key = json.dumps([
+        _VERSION, len(device_names), device_names[0].split(":")[-2],
+        os.cpu_count(), tf.__version__,
+    ])
+    entries = _load(path)
+    if key in entries:
+        return Calibration.from_json(entries[key])
+    found = measure(device_names)
+    entries[key] = found.to_json()
+    _save(path, entries)
+    return found
+
+
+def measure(device_names: tuple[str, ...]) -> Calibration:
+    """Measures the figures on the attached devices (a few seconds)."""
+    from tensorflow.experimental import dtensor
+
+    mesh = dtensor.create_mesh(
+        [("x", len(device_names))], devices=list(device_names)
+    )
+    link, allreduce = _collective_fits(mesh, len(device_names))
+    return Calibration(
+        compute_groups=_compute_groups(mesh, device_names),
+        link_latency_ms=link[0],
+        link_gbps=link[1],
+        allreduce_latency_ms=allreduce[0],
+        allreduce_gbps=allreduce[1],
+        call_overhead_ms=_call_ms(mesh),
+        step_overhead_ms=_step_overhead_ms(mesh),
+        **_update_fit(device_names[0]),
+    )
+
+
+def _median_ms(fn: Any, repeats: int = 15, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _compute_groups(mesh: Any, device_names: tuple[str, ...]) -> int:
+    import tensorflow as tf
+    from tensorflow.experimental import dtensor
+
+    n = len(device_names)
+    rows, width = 256 * n, 512
+    x = tf.random.uniform((rows, width))
+    w = tf.random.uniform((width, width))
+
+    @tf.function
+    def chain(x, w):
+        for _ in range(4):
+            x = tf.tanh(tf.matmul(x, w) * 0.01)
+        return tf.reduce_sum(x)
+
+    with tf.device(device_names[0]):
+        xs, ws = tf.identity(x), tf.identity(w)
+        one = _median_ms(lambda: chain(xs, ws).numpy())
+    split = dtensor.Layout(["x", dtensor.UNSHARDED], mesh)
+    xd = dtensor.relayout(
+        dtensor.copy_to_mesh(x, dtensor.Layout.replicated(mesh, 2)), split
+    )
+    wd = dtensor.copy_to_mesh(w, dtensor.Layout.replicated(mesh, 2))
+    many = _median_ms(lambda: dtensor.unpack(chain(xd, wd))[0].numpy())
+    return max(1, min(n, round(one / many)))
+
+
+def _collective_fits(mesh: Any, n: int) -> tuple[tuple[float, float], ...]:
+    """((latency ms, GB/s) per part of an all-gather, (latency ms, GB/s)
+    of an all-reduce) over the mesh, each fitted to two sizes, less the
+    cost of calling a function that moves nothing."""
+    import tensorflow as tf
+    from tensorflow.experimental import dtensor
+
+    replicated = dtensor.Layout.replicated(mesh, 2)
+    split = dtensor.Layout(["x", dtensor.UNSHARDED], mesh)
+
+    @tf.function
+    def nothing(x):
+        return x * 1.0
+
+    @tf.function
+    def gather(x):  # a batch-split tensor made whole on every device
+        return dtensor.relayout(x * 1.0, replicated)
+
+    @tf.function
+    def reduce(x):  # per-device partial sums made one replicated sum
+        return tf.reduce_sum(x * 1.0, axis=0, keepdims=True)
+
+    def timed(fn, rows, num_bytes):
+        x = tf.random.uniform((rows, max(num_bytes // (rows * 4), 1)))
+        xd = dtensor.relayout(dtensor.copy_to_mesh(x, replicated), split)
+        run = lambda f: _median_ms(  # noqa: E731
+            lambda: dtensor.unpack(f(xd))[0].numpy()
+        )
+        return max(run(fn) - run(nothing), 0.0)
+
+    def fit(fn, rows, scale):
+        small, large = 1 << 16, 1 << 22
+        t_small, t_large = timed(fn, rows, small), timed(fn, rows, large)
+        slope = max(t_large - t_small, 1e-6) / ((large - small) * scale)
+        return max(t_small - small * scale * slope, 0.0), 1e-6 / slope
+
+    # A gather moves 1/n of the tensor over each link; an all-reduce of
+    # an (n, k) tensor sums n partial results of k elements each.
+    return fit(gather, n * 64, 1 / n), fit(reduce, n, 1 / n)
+
+
+def _call_ms(mesh: Any) -> float:
+    """One call of a function that does nearly nothing on the mesh."""
+    import tensorflow as tf
+    from tensorflow.experimental import dtensor
+
+    x = dtensor.copy_to_mesh(
+        tf.ones((mesh.size, 4)), dtensor.Layout.replicated(mesh, 2)
+    )
+
+    @tf.function
+    def call(x):
+        return x * 1.0
+
+    return _median_ms(lambda: dtensor.unpack(call(x))[0].numpy())
+
+
+def _step_overhead_ms(mesh: Any) -> float:
+    """One DTensor call with a batch copied onto the mesh, plus a plain
+    Keras `fit` step of a one-weight model (its loop around the call)."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.experimental import dtensor
+
+    replicated = dtensor.Layout.replicated(mesh, 2)
+    batch = np.ones((mesh.size * 8, 4), "float32")
+
+    @tf.function
+    def call(x):
+        return tf.reduce_sum(x)
+
+    def one_call():
+        x = dtensor.copy_to_mesh(tf.constant(batch), replicated)
+        return dtensor.unpack(call(x))[0].numpy()
+
+    dtensor_ms = _median_ms(one_call)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    steps = 64
+    x, y = np.ones((steps * 8, 4), "float32"), np.ones((steps * 8, 1))
+    model.fit(x, y, batch_size=8, verbose=0)  # traces
+    start = time.perf_counter()
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    keras_ms = (time.perf_counter() - start) * 1e3 / (2 * steps)
+    return dtensor_ms + keras_ms
+
+
+def _update_fit(device: str) -> dict[str, float]:
+    """Keras's Adam applied to weights of two sizes on one device, as
+    `cost.update_ms` models it: a fixed cost per weight plus the bytes
+    moved (weight, gradient and 2 slots read; weight and slots written)
+    over a bandwidth."""
+    import keras
+    import tensorflow as tf
+
+    count, slots = 8, 2
+
+    def per_weight_ms(shape):
+        with tf.device(device):
+            weights = [keras.Variable(tf.ones(shape)) for _ in range(count)]
+            optimizer = keras.optimizers.Adam()
+            optimizer.build(weights)
+            grads = [tf.ones(shape) * 0.1 for _ in range(count)]
+
+            @tf.function
+            def step(grads):
+                optimizer.apply(grads, weights)
+                return grads[0]
+
+            @tf.function
+            def nothing(grads):
+                return grads[0] * 1.0
+
+            spent = _median_ms(lambda: step(grads).numpy())
+            base = _median_ms(lambda: nothing(grads).numpy())
+        return max(spent - base, 0.0) / count
+
+    small, large = (16,), (256, 512)
+    t_small, t_large = per_weight_ms(small), per_weight_ms(large)
+    moved = (3 + 2 * slots) * 4 * (256 * 512 - 16)
+    gbps = moved / max(t_large - t_small, 1e-6) / 1e6
+    return {"update_overhead_ms": t_small, "update_gbps": gbps}
+
+
+def _load(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _save(path: str, entries: dict) -> None:
+    try:
+        folder = os.path.dirname(path)
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(entries, f, indent=0, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: measure again next time
