@@ -2,8 +2,10 @@
 
 Each example runs twice in a subprocess: as written (flexflow_keras,
 search, DTensor on 4 virtual CPUs) and with its import lines switched
-back to plain `keras`. Weight initialisation is unseeded in the scripts,
-so accuracies are compared with a tolerance, not bit for bit.
+back to plain `keras`. Both runs are seeded alike (a line the test puts
+before the script's code: the scripts, like published examples, seed
+nothing), so both start from the same weights; random ops (dropout) draw
+differently under DTensor, so accuracies are compared with a tolerance.
 """
 
 import os
@@ -28,6 +30,11 @@ def run_example(name: str, plain_keras: bool, *flags: str) -> float:
             "import flexflow_keras as keras", "import keras"
         ).replace("from flexflow_keras import ", "from keras import ")
         assert "flexflow_keras" not in source.split('"""', 2)[2]
+    module = "keras" if plain_keras else "flexflow_keras"
+    source = (
+        f"import {module} as _seeded; _seeded.utils.set_random_seed(0)\n"
+        + source
+    )
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, f"{name}.py")
         with open(path, "w") as f:
