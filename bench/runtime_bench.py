@@ -16,6 +16,7 @@ Usage:
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import os
 import statistics
@@ -50,11 +51,7 @@ def throughput(name, mode, epochs, samples, budget=200):
     keras.utils.set_random_seed(0)
     x, y = data(samples, np.random.default_rng(0))
     if mode == "mirrored":
-        import tensorflow as tf
-
-        scope = tf.distribute.MirroredStrategy(
-            devices=list(devices.device_names())
-        ).scope()
+        scope = _mirrored().scope()
     else:
         scope = contextlib.nullcontext()
     with scope:
@@ -77,6 +74,18 @@ def throughput(name, mode, epochs, samples, budget=200):
     model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0,
               callbacks=[timer], shuffle=False)
     return samples / statistics.median(timer.seconds[1:])
+
+
+@functools.lru_cache(maxsize=None)
+def _mirrored():
+    """One MirroredStrategy for the process: a second one reuses the first
+    one's collective instance keys, and its all-reduce fails with a shape
+    mismatch (measured, TF 2.21)."""
+    import tensorflow as tf
+
+    return tf.distribute.MirroredStrategy(
+        devices=list(devices.device_names())
+    )
 
 
 def jax_throughput(name, epochs, samples):
