@@ -27,7 +27,7 @@ from flexflow_keras.cost import CostModel
 from flexflow_keras.graph import OpGraph
 from flexflow_keras.machine import MachineModel
 from flexflow_keras.schedule import Compiled, Schedule, no_gc
-from flexflow_keras.search_space import is_one_mesh
+from flexflow_keras.search_space import is_one_mesh, runs_on_the_mesh
 from flexflow_keras.strategy import ParallelConfig, Strategy
 
 
@@ -238,9 +238,39 @@ class Simulator:
         step_ms = schedule.step_ms + self.machine.step_overhead_ms
         if self.machine.live:
             step_ms += self._several_meshes_ms(configs)
+            step_ms += self._replicated_ms(configs)
         return SimResult(
             step_ms, busy, compiled.comm_bytes, peak, feasible,
         )
+
+    def _replicated_ms(self, configs: dict) -> float:
+        """What the runtime pays beyond the task graph for the unsplit ops
+        of a one-mesh strategy: they run replicated on the mesh
+        (`search_space.runs_on_the_mesh`), each of its `n` devices
+        computing the op whole and updating its own copy of the weights,
+        where the task graph has them on device 0 alone. On `g` compute
+        resources that is `(n - g) / g` more rounds of that work (none on
+        devices that compute at once; `n - 1` on virtual CPU devices)."""
+        strategy = Strategy(configs)
+        if not is_one_mesh(strategy):
+            return 0.0
+        mesh = max(len(c.device_ids) for c in configs.values())
+        groups = min(self.machine.compute_groups or mesh, mesh)
+        rounds = (mesh - groups) / groups
+        if rounds <= 0:
+            return 0.0
+        extra = 0.0
+        for op in self._ops:
+            config = configs[op.name]
+            if config.num_parts > 1 or not runs_on_the_mesh(config):
+                continue
+            forward_ms, backward_ms = self.cost.op_cost(op, config, 0)
+            extra += forward_ms + backward_ms
+            if op.trainable_weight_bytes and not op.shares_weights_with:
+                extra += self.cost.update_ms(
+                    op.trainable_weight_bytes, self.slots, 0
+                )
+        return rounds * extra
 
     def _several_meshes_ms(self, configs: dict) -> float:
         """What the runtime pays beyond the task graph for a strategy over

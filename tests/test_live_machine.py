@@ -123,6 +123,30 @@ class SeveralMeshesTest(unittest.TestCase):
         self.assertEqual(delta.step_ms, full.step_ms)
 
 
+class ReplicatedOnTheMeshTest(unittest.TestCase):
+    def test_each_mesh_device_computes_an_unsplit_op_whole(self):
+        def with_unsplit(graph):
+            strategy = data_parallel(graph)
+            op = graph.ops[1]
+            return strategy.replace(
+                op.name, ParallelConfig((1,) * op.rank, (0,))
+            )
+
+        live = machine(live=True, compute_groups=1)
+        sim, replicated = simulate(live, with_unsplit)
+        _, ideal = simulate(machine(compute_groups=1), with_unsplit)
+        op = sim.graph.ops[1]
+        config = with_unsplit(sim.graph)[op.name]
+        whole = sum(sim.cost.op_cost(op, config, 0))
+        whole += sim.cost.update_ms(op.trainable_weight_bytes, 0, 0)
+        self.assertAlmostEqual(
+            replicated.step_ms - ideal.step_ms, 3 * whole, places=6
+        )
+        _, parallel = simulate(machine(live=True), with_unsplit)
+        _, parallel_ideal = simulate(machine(), with_unsplit)
+        self.assertAlmostEqual(parallel.step_ms, parallel_ideal.step_ms)
+
+
 class OneDeviceTest(unittest.TestCase):
     def test_search_keeps_several_devices_and_says_one_is_faster(self):
         from flexflow_keras import search
