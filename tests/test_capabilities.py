@@ -272,6 +272,15 @@ class ProbeTest(unittest.TestCase):
     def test_layer_failing_on_probe_inputs_teaches_nothing(self):
         self.assertIsNone(self.probe(OnlyRealData()))
 
+    def test_inputs_it_cannot_make_teach_nothing(self):
+        class Length(L.Layer):
+            def call(self, x):
+                return tf.strings.length(x)
+
+        x = keras.Input((1,), dtype="string")
+        graph = build_graph(keras.Model(x, Length()(x)), 8)
+        self.assertIsNone(probe.probe_op(graph.ops[-1], graph, _mesh()))
+
     def test_apply_probes(self):
         x = keras.Input((6, 4))
         y = Double(name="double")(Reverse(name="rev")(x))

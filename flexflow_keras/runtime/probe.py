@@ -117,8 +117,9 @@ def probe_key(op: Op, graph: OpGraph) -> str:
 def probe_op(op: Op, graph: OpGraph, mesh: Any) -> Probed | None:
     """What running `op` on `mesh` needs; None when even plain TensorFlow
     cannot run it on probe inputs (nothing learned)."""
-    inputs = _probe_inputs(op, graph)
-    try:
+    try:  # inputs it cannot make (strings) or a call that needs real
+        # data: the probe learns nothing, and planning goes on
+        inputs = _probe_inputs(op, graph)
         op_types = _forward_backward(op, inputs, None)
     except Exception:
         return None
