@@ -17,14 +17,15 @@ fact about what DTensor runs of a layer type lives here, in `TABLE`:
 - `replicated_ops`: TensorFlow ops of its forward or backward that
   DTensor has no layout rule for; they run replicated through DTensor's
   per-op switch (`runtime/op_rules.enable`). A layer that needs one
-  declares no split at all (`REPLICATED`): the search gives it an unsplit
-  config, which a one-mesh runtime runs replicated on the mesh, so what
-  the simulator prices (the whole op on one device's time) is what runs.
+  declares no split at all: the search gives it an unsplit config, which
+  a one-mesh runtime runs replicated on the mesh (every device computes
+  it whole), and the simulator prices it whole (on the live machine,
+  with every device's copy of the work where devices share compute).
 
 Measured on TF 2.21, CPU, and checked by tests: every declared split
 runs forward and backward on DTensor and equals the unsplit op
-(`tests/test_graph.py`), and every listed replicated op fails without its
-switch and runs with it (`tests/test_capabilities.py`).
+(`tests/test_graph.py`), and a probe in a fresh process finds exactly
+the listed replicated ops (`tests/test_capabilities.py`).
 
 A layer type the table does not list (a custom layer, a Keras layer not
 measured here) is probed once on the attached devices before the search
