@@ -238,7 +238,8 @@ def is_one_mesh(strategy: Strategy) -> bool:
 def runs_on_the_mesh(config: ParallelConfig) -> bool:
     """Whether `config` is the unsplit config on device 0: in a one-mesh
     strategy such an op runs replicated on the mesh (every device
-    computes it whole, in the time one device takes), which is how ops
+    computes it whole; the live machine's simulator prices the copies
+    where devices share compute), which is how ops
     that DTensor runs only replicated stay in a strategy."""
     return config.device_ids == (0,)
 
