@@ -225,14 +225,18 @@ def is_one_mesh(strategy: Strategy) -> bool:
     device 0, which join that mesh when it holds device 0
     (`runs_on_the_mesh`)."""
     meshes = {
-        (tuple(d for d in c.dims if d > 1), c.device_ids)
-        for c in strategy.values()
-        if not runs_on_the_mesh(c)
+        mesh_key(c) for c in strategy.values() if not runs_on_the_mesh(c)
     }
     if len(meshes) != 1:
         return not meshes
     (_, ids), = meshes
     return 0 in ids or not any(map(runs_on_the_mesh, strategy.values()))
+
+
+def mesh_key(config: ParallelConfig) -> tuple:
+    """The runtime's mesh of a config: its degrees > 1 (axes named by
+    position) and its devices."""
+    return tuple(d for d in config.dims if d > 1), config.device_ids
 
 
 def runs_on_the_mesh(config: ParallelConfig) -> bool:

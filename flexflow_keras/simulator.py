@@ -27,7 +27,9 @@ from flexflow_keras.cost import CostModel
 from flexflow_keras.graph import OpGraph
 from flexflow_keras.machine import MachineModel
 from flexflow_keras.schedule import Compiled, Schedule, no_gc
-from flexflow_keras.search_space import is_one_mesh, runs_on_the_mesh
+from flexflow_keras.search_space import (
+    is_one_mesh, mesh_key, runs_on_the_mesh,
+)
 from flexflow_keras.strategy import ParallelConfig, Strategy
 
 
@@ -237,8 +239,10 @@ class Simulator:
         )
         step_ms = schedule.step_ms + self.machine.step_overhead_ms
         if self.machine.live:
-            step_ms += self._several_meshes_ms(configs)
-            step_ms += self._replicated_ms(configs)
+            if is_one_mesh(Strategy(configs)):
+                step_ms += self._replicated_ms(configs)
+            else:
+                step_ms += self._several_meshes_ms(configs)
         return SimResult(
             step_ms, busy, compiled.comm_bytes, peak, feasible,
         )
@@ -251,9 +255,6 @@ class Simulator:
         where the task graph has them on device 0 alone. On `g` compute
         resources that is `(n - g) / g` more rounds of that work (none on
         devices that compute at once; `n - 1` on virtual CPU devices)."""
-        strategy = Strategy(configs)
-        if not is_one_mesh(strategy):
-            return 0.0
         mesh = max(len(c.device_ids) for c in configs.values())
         groups = min(self.machine.compute_groups or mesh, mesh)
         rounds = (mesh - groups) / groups
@@ -262,7 +263,7 @@ class Simulator:
         extra = 0.0
         for op in self._ops:
             config = configs[op.name]
-            if config.num_parts > 1 or not runs_on_the_mesh(config):
+            if not runs_on_the_mesh(config):
                 continue
             forward_ms, backward_ms = self.cost.op_cost(op, config, 0)
             extra += forward_ms + backward_ms
@@ -278,11 +279,8 @@ class Simulator:
         function per segment (consecutive ops on one mesh), each call
         `MachineModel.call_overhead_ms`, and every backward recomputes its
         forward (added on the busiest compute resource: exact when the
-        devices share one, as virtual CPU devices do). One mesh: one
-        function, nothing more (already in `step_overhead_ms`)."""
-        meshes = [_mesh_key(configs[op.name]) for op in self._ops]
-        if is_one_mesh(Strategy(configs)):
-            return 0.0
+        devices share one, as virtual CPU devices do)."""
+        meshes = [mesh_key(configs[op.name]) for op in self._ops]
         segments = 1 + sum(a != b for a, b in zip(meshes, meshes[1:]))
         recompute: dict[int, float] = collections.defaultdict(float)
         for op in self._ops:
@@ -391,8 +389,3 @@ class _Layout:
                 touched[name].append(k)
         self.touched = {n: tuple(ks) for n, ks in touched.items()}
         del index
-
-
-def _mesh_key(config: ParallelConfig) -> tuple:
-    """The runtime's mesh of a config: degrees > 1 and devices."""
-    return tuple(d for d in config.dims if d > 1), config.device_ids
