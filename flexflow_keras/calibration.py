@@ -40,9 +40,9 @@ import statistics
 import time
 from typing import Any
 
-DEFAULT_CACHE_PATH = os.path.join(
-    os.path.expanduser("~"), ".cache", "flexflow_keras", "live_machine.json"
-)
+from flexflow_keras import disk_cache
+
+DEFAULT_CACHE_PATH = os.path.join(disk_cache.CACHE_DIR, "live_machine.json")
 _VERSION = 2  # bump when what is measured changes
 
 
@@ -84,12 +84,15 @@ def live_calibration(
         _VERSION, len(device_names), device_names[0].split(":")[-2],
         os.cpu_count(), tf.__version__,
     ])
-    entries = _load(path)
+    entries = disk_cache.read(path)
     if key in entries:
         return Calibration.from_json(entries[key])
     found = measure(device_names)
     entries[key] = found.to_json()
-    _save(path, entries)
+    try:
+        disk_cache.write(path, entries)
+    except OSError:
+        pass  # a read-only home: measure again next time
     return found
 
 
@@ -274,24 +277,3 @@ def _update_fit(device: str) -> dict[str, float]:
     moved = (3 + 2 * slots) * 4 * (256 * 512 - 16)
     gbps = moved / max(t_large - t_small, 1e-6) / 1e6
     return {"update_overhead_ms": t_small, "update_gbps": gbps}
-
-
-def _load(path: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
-def _save(path: str, entries: dict) -> None:
-    try:
-        folder = os.path.dirname(path)
-        if folder:
-            os.makedirs(folder, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(entries, f, indent=0, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home: measure again next time

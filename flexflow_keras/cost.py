@@ -26,15 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from flexflow_keras import partition
+from flexflow_keras import disk_cache, partition
 from flexflow_keras.graph import Op
 from flexflow_keras.machine import DeviceSpec, MachineModel
 from flexflow_keras.strategy import ParallelConfig
 
 MODES = ("analytic", "measured")
-DEFAULT_CACHE_PATH = os.path.join(
-    os.path.expanduser("~"), ".cache", "flexflow_keras", "op_costs.json"
-)
+DEFAULT_CACHE_PATH = os.path.join(disk_cache.CACHE_DIR, "op_costs.json")
 _CHANNEL_KEYS = ("units", "filters", "output_dim")
 _GATHERS = ("Embedding",)  # read only the looked-up rows of their weights
 
@@ -158,13 +156,7 @@ class CostModel:
         return self._disk
 
     def _save(self) -> None:
-        folder = os.path.dirname(self.cache_path)
-        if folder:
-            os.makedirs(folder, exist_ok=True)
-        tmp = self.cache_path + f".{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self._disk, f, indent=0, sort_keys=True)
-        os.replace(tmp, self.cache_path)  # atomic: readers never see half
+        disk_cache.write(self.cache_path, self._disk)
 
 
 def analytic_cost_model(machine: MachineModel) -> CostModel:

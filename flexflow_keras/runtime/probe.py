@@ -36,15 +36,13 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from flexflow_keras import capabilities
+from flexflow_keras import capabilities, disk_cache
 from flexflow_keras.capabilities import Probed
 from flexflow_keras.graph import Op, OpGraph
 from flexflow_keras.runtime import op_rules
 from flexflow_keras.runtime.unroll import unrolled
 
-DEFAULT_CACHE_PATH = os.path.join(
-    os.path.expanduser("~"), ".cache", "flexflow_keras", "capabilities.json"
-)
+DEFAULT_CACHE_PATH = os.path.join(disk_cache.CACHE_DIR, "capabilities.json")
 PROBE_BATCH = 4
 _MAX_SWITCHES = 4  # ops turned replicated before a probe gives up
 _MISSING_RULE = re.compile(r"'tf\.(\w+)' op does not implement")
@@ -263,7 +261,7 @@ def _op_types(graph_def: Any) -> frozenset[str]:
 
 
 class _Cache:
-    """`Probed` results on disk, JSON, written atomically."""
+    """`Probed` results on disk (`disk_cache`)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -271,12 +269,7 @@ class _Cache:
 
     def _load(self) -> dict:
         if self._entries is None:
-            self._entries = {}
-            try:
-                with open(self.path) as f:
-                    self._entries = json.load(f)
-            except (OSError, ValueError):
-                pass  # absent or unreadable: probe again
+            self._entries = disk_cache.read(self.path)
         return self._entries
 
     def get(self, key: str) -> Probed | None:
@@ -285,13 +278,7 @@ class _Cache:
 
     def put(self, key: str, probed: Probed) -> None:
         self._load()[key] = probed.to_json()
-        folder = os.path.dirname(self.path)
         try:
-            if folder:
-                os.makedirs(folder, exist_ok=True)
-            tmp = f"{self.path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(self._entries, f, indent=0, sort_keys=True)
-            os.replace(tmp, self.path)  # readers never see half a file
+            disk_cache.write(self.path, self._entries)
         except OSError:
             pass  # a read-only home: probe again next time
