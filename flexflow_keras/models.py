@@ -150,12 +150,10 @@ class _PlanningModel(StrategyTrainer):
                     probe=runtime.probe_graph,
                 )
             except capabilities.Unsupported as error:
-                self._ff_runtime_failure = (
+                self._strategy_failed(
                     f"Model '{self.name}' trains as plain Keras on one "
                     f"device: {error}."
                 )
-                warnings.warn(self._ff_runtime_failure, stacklevel=3)
-                self._ff_warned_plain = True
                 return
             self._ff_plans[batch_size] = plan
         if plan is not self._ff_plan:
