@@ -35,7 +35,6 @@ from keras import tree
 from keras.src.backend.tensorflow import core as tf_core
 from keras.src.ops.operation import Operation
 from keras.src.optimizers.base_optimizer import BaseOptimizer
-from keras.src.trainers.data_adapters import data_adapter_utils
 from tensorflow.experimental import dtensor
 
 from flexflow_keras.runtime import deferred, op_rules
@@ -45,7 +44,7 @@ from flexflow_keras.runtime.layouts import OpPlan, replicated
 from flexflow_keras.runtime.tracing import step_function
 from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.variables import (
-    attributes_set, gather, layer_constants, to_layout,
+    Transfers, attributes_set, gather, layer_constants, replicate, to_layout,
 )
 
 
@@ -114,6 +113,7 @@ class ModelStepExecutor:
         self._functions: dict[tuple, Any] = {}  # (kind, batch) -> step
         self._ran: set[tuple] = set()  # (kind, batch) of steps that ran
         self._learning_rates: dict[int, float] = {}
+        self._transfers = Transfers(self.mesh)
 
     # -- variables ----------------------------------------------------------
 
@@ -183,29 +183,25 @@ class ModelStepExecutor:
     def sync_in(self) -> None:
         """Keras values -> StepVariables, unless those are newer."""
         if not self.dirty:
-            for var, step_var, layout in self._pairs:
-                step_var.assign(to_layout(var.value, layout))
+            self._transfers.copy_in(self._pairs)
 
     def sync_out(self) -> None:
         """StepVariables -> Keras values, if training changed them."""
         if self.dirty:
-            for var, step_var, _ in self._pairs:
-                var.assign(gather(step_var.read_value()))
+            self._transfers.copy_out(self._pairs)
             self.dirty = False
 
     def sync_metrics_in(self) -> None:
         """Metric state Keras reset eagerly -> StepVariables."""
-        metric_ids = _metric_variable_ids(self.model)
-        for var, step_var, layout in self._pairs:
-            if id(var) in metric_ids:
-                step_var.assign(to_layout(var.value, layout))
+        self._transfers.copy_in(self._metric_pairs())
 
     def sync_metrics_out(self) -> None:
         """StepVariables -> metric state, for Keras's eager reads."""
+        self._transfers.copy_out(self._metric_pairs())
+
+    def _metric_pairs(self) -> list[tuple[Any, Any, Any]]:
         metric_ids = _metric_variable_ids(self.model)
-        for var, step_var, _ in self._pairs:
-            if id(var) in metric_ids:
-                var.assign(gather(step_var.read_value()))
+        return [pair for pair in self._pairs if id(pair[0]) in metric_ids]
 
     def _push_learning_rates(self) -> None:
         """Learning rates a callback set since the last step (Keras
@@ -216,9 +212,9 @@ class ModelStepExecutor:
                 continue
             value = float(variable.numpy())
             if value != self._learning_rates.get(id(variable)):
-                for var, step_var, layout in self._pairs:
-                    if var is variable:
-                        step_var.assign(to_layout(var.value, layout))
+                self._transfers.copy_in(
+                    [pair for pair in self._pairs if pair[0] is variable]
+                )
                 self._learning_rates[id(variable)] = value
 
     @contextlib.contextmanager
@@ -323,7 +319,12 @@ class ModelStepExecutor:
             def traced(data):
                 self._sharded = batch == self.graph.batch_size
                 with self._realized():
-                    return step(data)
+                    outputs = step(data)
+                # Gathered here, in the step, rather than by an eager
+                # relayout per output after it (a DTensor dispatch each).
+                return tree.map_structure(
+                    lambda v: _replicated_output(v, self.mesh), outputs
+                )
 
             traced.get_concrete_function(_relaxed(data))
             return traced
@@ -343,9 +344,7 @@ class ModelStepExecutor:
                 value = tf.convert_to_tensor(value)
             if not isinstance(value, tf.Tensor) or value.dtype == tf.string:
                 return value
-            return dtensor.copy_to_mesh(
-                value, replicated(self.mesh, value.shape.rank)
-            )
+            return replicate(value, self.mesh)
 
         return tree.map_structure(copy, data)
 
@@ -396,6 +395,13 @@ def _batch_only(layout: Any) -> Any:
         layout.rank - 1
     )
     return dtensor.Layout(specs, layout.mesh)
+
+
+def _replicated_output(value: Any, mesh: Any) -> Any:
+    """A traced DTensor output of a step, made whole on every device."""
+    if not _is_traced_tensor(value) or value.dtype == tf.string:
+        return value
+    return dtensor.relayout(value, replicated(mesh, value.shape.rank))
 
 
 def _regular(value: Any) -> Any:

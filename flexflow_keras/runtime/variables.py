@@ -14,20 +14,93 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from flexflow_keras.runtime.layouts import OpPlan, replicated
+from flexflow_keras.runtime.tracing import step_function
 
 
 def to_layout(value: Any, layout: Any) -> Any:
     """A regular tensor or array as a DTensor with `layout`."""
-    value = tf.convert_to_tensor(value)
-    full = dtensor.copy_to_mesh(value, replicated(layout.mesh, value.shape.rank))
+    full = replicate(value, layout.mesh)
+    if layout.is_fully_replicated():
+        return full
     return dtensor.relayout(full, layout)
 
 
 def gather(value: Any) -> tf.Tensor:
     """The full value of a DTensor as a regular tensor (eager only)."""
     layout = dtensor.fetch_layout(value)
-    full = dtensor.relayout(value, replicated(layout.mesh, layout.rank))
-    return dtensor.unpack(full)[0]
+    if not layout.is_fully_replicated():
+        value = dtensor.relayout(value, replicated(layout.mesh, layout.rank))
+    return dtensor.unpack(value)[0]
+
+
+def replicate(value: Any, mesh: Any) -> Any:
+    """A regular tensor as a replicated DTensor on `mesh` (eager).
+
+    `pack` of one local copy per device when the mesh is all local: it
+    costs 0.03 ms against 0.18 ms for `copy_to_mesh` (a DTensor op of its
+    own), measured on 4 virtual CPU devices; per batch input and per
+    variable, that was a visible part of a small model's step.
+    """
+    value = tf.convert_to_tensor(value)
+    layout = replicated(mesh, value.shape.rank)
+    local = mesh.local_devices()
+    if len(local) == mesh.size:
+        return dtensor.pack([value] * len(local), layout)
+    return dtensor.copy_to_mesh(value, layout)
+
+
+class Transfers:
+    """Keras values <-> DVariables, one compiled function per direction
+    and set of variables.
+
+    Why: eagerly, each relayout and assignment is a DTensor dispatch of
+    its own; copying the 52 variables of a Transformer block in took 118
+    ms, and out 47 ms, at every epoch boundary (measured, 4 virtual CPU
+    devices), as long as 10 of its training steps.
+
+    Each pair is `(keras_variable, dvariable, layout)`.
+    """
+
+    def __init__(self, mesh: Any):
+        self._mesh = mesh
+        self._functions: dict[tuple, Any] = {}
+
+    def copy_in(self, pairs: list[tuple[Any, Any, Any]]) -> None:
+        """Keras values -> DVariables (laid out as each pair says)."""
+        if not pairs:
+            return
+        key = ("in",) + tuple(id(dvar) for _, dvar, _ in pairs)
+        function = self._functions.get(key)
+        if function is None:
+            targets = [(dvar, layout) for _, dvar, layout in pairs]
+
+            def assign_all(values):
+                for (dvar, layout), value in zip(targets, values):
+                    dvar.assign(dtensor.relayout(value, layout))
+
+            function = self._functions[key] = step_function(assign_all)
+        function([replicate(var.value, self._mesh) for var, _, _ in pairs])
+
+    def copy_out(self, pairs: list[tuple[Any, Any, Any]]) -> None:
+        """DVariables -> Keras values (the shards gathered)."""
+        if not pairs:
+            return
+        key = ("out",) + tuple(id(dvar) for _, dvar, _ in pairs)
+        function = self._functions.get(key)
+        if function is None:
+            sources = [dvar for _, dvar, _ in pairs]
+
+            def read_all():
+                return [
+                    dtensor.relayout(
+                        dvar.read_value(), replicated(self._mesh, dvar.shape.rank)
+                    )
+                    for dvar in sources
+                ]
+
+            function = self._functions[key] = step_function(read_all)
+        for (var, _, _), value in zip(pairs, function()):
+            var.assign(dtensor.unpack(value)[0])
 
 
 def layer_constants(layer: Any, mesh: Any) -> list[tuple[Any, str, Any]]:
@@ -81,6 +154,7 @@ class VariableStore:
         self._keras: dict[int, Any] = {}
         self._layouts: dict[int, Any] = {}
         self.mesh_of: dict[int, Any] = {}
+        self._transfers: dict[Any, Transfers] = {}
         for plan in plans:
             layer = plan.op.layer
             infos = {}
@@ -113,10 +187,23 @@ class VariableStore:
 
     def push(self) -> None:
         """Keras values -> DVariables."""
-        for key, var in self._keras.items():
-            self._dvars[key].assign(to_layout(var.value, self._layouts[key]))
+        for transfers, pairs in self._by_mesh():
+            transfers.copy_in(pairs)
 
     def pull(self) -> None:
         """DVariables -> Keras values (gathers the shards)."""
+        for transfers, pairs in self._by_mesh():
+            transfers.copy_out(pairs)
+
+    def _by_mesh(self) -> list[tuple[Transfers, list]]:
+        """(the mesh's Transfers, its (keras, dvariable, layout) pairs)."""
+        groups: dict[Any, list] = {}
         for key, var in self._keras.items():
-            var.assign(gather(self._dvars[key].read_value()))
+            groups.setdefault(self.mesh_of[key], []).append(
+                (var, self._dvars[key], self._layouts[key])
+            )
+        for mesh in groups:
+            if mesh not in self._transfers:
+                self._transfers[mesh] = Transfers(mesh)
+        return [(self._transfers[mesh], pairs)
+                for mesh, pairs in groups.items()]
