@@ -1,41 +1,29 @@
-"""Search quality: MCMC against data parallelism, greedy and random search.
+"""Search quality on FlexFlow's benchmark suite: MCMC against data
+parallelism, the expert strategy, greedy and random search.
 
-    /work/venv/bin/python bench/search_bench.py [--budget 1000] [--seed 0]
-        [--models dlrm,alexnet,inception_v3,transformer]
+    python bench/search_bench.py [--budget 1000] [--seed 0] [--alpha A]
+        [--relative-alpha R] [--models alexnet,...] [--no-random]
+        [--export-dir strategies] [--tune 10,30,100,300]
 
-For each model and machine (DLRM on `v100x4` as in FlexFlow's case study;
-AlexNet, InceptionV3 and a Transformer encoder on `p100x16`), prints the
-best simulated step time of:
+The models are the example scripts' (`examples/<model>.py`, full size,
+built without allocating weights), each on the machine of FlexFlow's
+evaluation (`p100x16`; the RNNs also on `k80x64`; DLRM on `v100x4` as
+in its case study). Per model, the best simulated step time of:
 
-- data parallelism (the start point);
+- data parallelism (FlexFlow's start point);
+- the expert strategy (`flexflow_keras.experts.expert_strategy`: one
+  weird trick for CNNs, layer-wise placement for RNNs, embedding
+  columns for DLRM, data parallelism for the Transformer);
 - greedy: ops in graph order, each trying `budget / num_ops` random
-  configs and keeping the fastest (same number of simulations);
-- random: `budget` independent random strategies (every op a random
-  config), best feasible kept;
-- MCMC (`flexflow_keras.search.search`) with `budget` iterations,
+  configs and keeping the fastest (as many simulations as MCMC);
+- random: `budget` independent random strategies, best feasible kept;
+- MCMC (`flexflow_keras.search.search`, the defaults `compile()` uses:
+  relative acceptance, started from the better of data parallelism and
+  the expert strategy) with `budget` iterations, and its wall time.
 
-with each search's wall time. FlexFlow reports 3.8x over data parallelism
-for this DLRM on 4 GPUs after 1,000 iterations.
-
-Last run (2 shared CPU cores; simulated ms; seed 0):
-
-    bench/search_bench.py --budget 1000           (alpha 0.05, default)
-    model        machine  batch ops  DP ms greedy  random   MCMC MCMC/DP
-    dlrm         v100x4    1024  24  63.13  13.72    2.71   2.38  26.55x
-    alexnet      p100x16   1024  12  46.63  39.79  172.49  40.09   1.16x
-    inception_v3 p100x16    512 312 134.87 134.87 9404.92 134.87   1.00x
-    transformer  p100x16    256  44 157.82 154.09 1456.97 153.99   1.02x
-
-    bench/search_bench.py --budget 5000 --alpha 1.0 --no-random
-    dlrm         v100x4    1024  24  63.13  13.71       -   2.46  25.63x
-    alexnet      p100x16   1024  12  46.63  35.27       -  34.86   1.34x
-    inception_v3 p100x16    512 312 134.87 134.87       - 134.87   1.00x
-    transformer  p100x16    256  44 157.82 153.09       - 151.32   1.04x
-
-At alpha 0.05 (FlexFlow's default, per ms) a proposal 10 ms slower is
-still accepted with probability 0.6, so on 40-150 ms steps the chain is
-nearly a random walk between restarts; alpha 1.0 beats greedy at 5000
-iterations (alpha 0.05 there: AlexNet 37.73, Transformer 157.82).
+`--tune` runs MCMC at each listed relative alpha on every model and
+prints the step time relative to the best any setting found: how the
+default (`search.RELATIVE_ALPHA`) was chosen. Figures: docs/SEARCH.md.
 """
 
 import argparse
@@ -50,8 +38,12 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import flexflow_keras  # noqa: E402,F401  (device setup first)
 import keras  # noqa: E402
-import model_zoo  # noqa: E402  (tests/model_zoo.py)
+import model_zoo  # noqa: E402  (tests/model_zoo.py: load_example)
+from keras.src.backend.common.stateless_scope import (  # noqa: E402
+    StatelessScope,
+)
 
+from flexflow_keras import experts  # noqa: E402
 from flexflow_keras import machine as machine_lib  # noqa: E402
 from flexflow_keras import search as search_lib  # noqa: E402
 from flexflow_keras import settings  # noqa: E402
@@ -61,63 +53,33 @@ from flexflow_keras.graph import build_graph  # noqa: E402
 from flexflow_keras.search_space import random_config  # noqa: E402
 from flexflow_keras.strategy import Strategy  # noqa: E402
 
-layers = keras.layers
-
-
-def dlrm():
-    """FlexFlow's DLRM case study: 8 tables 1e6 x 64, MLPs 64-512-512-64
-    and 576-1024-1024-1024-1 (tables not allocated: search only)."""
-    return model_zoo.dlrm(8, 1_000_000, 64, 64, (512, 512, 64),
-                          (1024, 1024, 1024, 1), defer_weights=True)
-
-
-def alexnet(classes=1000):
-    inputs = keras.Input((224, 224, 3), name="image")
-    x = layers.Conv2D(64, 11, 4, padding="same", activation="relu",
-                      name="conv1")(inputs)
-    x = layers.MaxPooling2D(3, 2, name="pool1")(x)
-    x = layers.Conv2D(192, 5, padding="same", activation="relu",
-                      name="conv2")(x)
-    x = layers.MaxPooling2D(3, 2, name="pool2")(x)
-    for i, filters in enumerate((384, 256, 256)):
-        x = layers.Conv2D(filters, 3, padding="same", activation="relu",
-                          name=f"conv{i + 3}")(x)
-    x = layers.MaxPooling2D(3, 2, name="pool5")(x)
-    x = layers.Flatten(name="flatten")(x)
-    for i in (6, 7):
-        x = layers.Dense(4096, activation="relu", name=f"fc{i}")(x)
-    out = layers.Dense(classes, activation="softmax", name="fc8")(x)
-    return keras.Model(inputs, out, name="alexnet")
-
-
-def inception_v3():
-    return keras.applications.InceptionV3(weights=None)
-
-
-def transformer(seq=128, d_model=1024, heads=16, ff=4096, num_layers=6,
-                vocab=32000):
-    tokens = keras.Input((seq,), dtype="int32", name="tokens")
-    x = layers.Embedding(vocab, d_model, name="embed")(tokens)
-    for i in range(num_layers):
-        a = layers.MultiHeadAttention(heads, d_model // heads,
-                                      name=f"attn_{i}")(x, x)
-        x = layers.LayerNormalization(name=f"ln1_{i}")(
-            layers.Add(name=f"res1_{i}")([x, a]))
-        h = layers.Dense(ff, activation="relu", name=f"ff1_{i}")(x)
-        h = layers.Dense(d_model, name=f"ff2_{i}")(h)
-        x = layers.LayerNormalization(name=f"ln2_{i}")(
-            layers.Add(name=f"res2_{i}")([x, h]))
-    out = layers.Dense(vocab, name="logits")(x)
-    return keras.Model(tokens, out, name="transformer")
-
-
 CASES = {
-    # name: (builder, machine, global batch)
-    "dlrm": (dlrm, "v100x4", 1024),
-    "alexnet": (alexnet, "p100x16", 1024),
-    "inception_v3": (inception_v3, "p100x16", 512),
-    "transformer": (transformer, "p100x16", 256),
+    # name: (example script, machine, global batch)
+    "alexnet": ("alexnet", "p100x16", 1024),
+    "inception_v3": ("inception_v3", "p100x16", 512),
+    "resnet101": ("resnet101", "p100x16", 512),
+    "rnntc": ("rnntc", "p100x16", 1024),
+    "rnnlm": ("rnnlm", "p100x16", 1024),
+    "nmt": ("nmt", "p100x16", 1024),
+    "rnntc_k80": ("rnntc", "k80x64", 1024),
+    "rnnlm_k80": ("rnnlm", "k80x64", 1024),
+    "nmt_k80": ("nmt", "k80x64", 1024),
+    "dlrm": ("dlrm", "v100x4", 1024),
+    "transformer": ("transformer_encoder", "p100x16", 256),
 }
+
+
+def case_graph(name):
+    """The example's full-size model as an OpGraph (no weight values).
+
+    Keras's name counters are reset first: `keras.applications` models
+    name their layers `conv2d`, `conv2d_1`, ... per process, and a saved
+    strategy names ops as a script building only that model does."""
+    example, _, batch = CASES[name]
+    keras.backend.clear_session()
+    with StatelessScope(initialize_variables=False):
+        model = model_zoo.load_example(example).build_model(small=False)
+    return build_graph(model, batch)
 
 
 def _ms(result) -> float:
@@ -167,9 +129,9 @@ def _timed(fn, *args):
     return out, time.perf_counter() - start
 
 
-def run_case(name, budget, seed, alpha, with_random=True):
-    builder, machine_name, batch = CASES[name]
-    graph = build_graph(builder(), batch)
+def run_case(name, budget, seed, alpha, relative_alpha, with_random=True):
+    _, machine_name, batch = CASES[name]
+    graph = case_graph(name)
     machine = machine_lib.load_machine(machine_name)
     n = machine.num_devices
 
@@ -177,6 +139,8 @@ def run_case(name, budget, seed, alpha, with_random=True):
         return simulator_lib.Simulator(graph, machine)
 
     dp_ms = _ms(sim().simulate(Strategy.data_parallel(graph, n)))
+    expert = experts.expert_strategy(graph, n)
+    expert_ms = _ms(sim().simulate(expert))
     (_, greedy_ms), greedy_s = _timed(greedy_search, graph, sim(), n,
                                       budget, seed)
     random_ms = random_s = math.nan
@@ -184,32 +148,63 @@ def run_case(name, budget, seed, alpha, with_random=True):
         (_, random_ms), random_s = _timed(random_search, graph, sim(), n,
                                           budget, seed)
     result = search_lib.search(graph, sim(), n, budget, alpha=alpha,
-                               seed=seed, verbose=0)
+                               relative_alpha=relative_alpha, seed=seed,
+                               verbose=0, candidates=(expert,))
     check = _ms(sim().simulate(result.strategy))
     assert math.isclose(check, result.best_ms, rel_tol=1e-9), (
         check, result.best_ms)
     return {
         "model": name, "machine": machine_name, "batch": batch,
-        "ops": len(graph), "dp": dp_ms, "greedy": greedy_ms,
-        "greedy_s": greedy_s, "random": random_ms, "random_s": random_s,
-        "mcmc": result.best_ms, "mcmc_s": result.wall_s,
-        "strategy": result.strategy,
+        "ops": len(graph), "dp": dp_ms, "expert": expert_ms,
+        "expert_name": experts.expert_name(graph) or "data_parallel",
+        "greedy": greedy_ms, "greedy_s": greedy_s, "random": random_ms,
+        "random_s": random_s, "mcmc": result.best_ms,
+        "mcmc_s": result.wall_s, "strategy": result.strategy,
     }
 
 
+def tune(names, budget, seed, values):
+    """MCMC at each relative alpha; step time over the best found."""
+    print(f"relative alpha tuning, budget {budget}, seed {seed}: "
+          "MCMC step time / best over all settings")
+    print(f"{'model':<14}" + "".join(f"{v:>9g}" for v in values))
+    totals = [0.0] * len(values)
+    for name in names:
+        _, machine_name, _ = CASES[name]
+        graph = case_graph(name)
+        machine = machine_lib.load_machine(machine_name)
+        n = machine.num_devices
+        expert = experts.expert_strategy(graph, n)
+        found = [
+            search_lib.search(
+                graph, simulator_lib.Simulator(graph, machine), n, budget,
+                relative_alpha=value, seed=seed, verbose=0,
+                candidates=(expert,),
+            ).best_ms
+            for value in values
+        ]
+        best = min(found)
+        ratios = [ms / best for ms in found]
+        totals = [t + r for t, r in zip(totals, ratios)]
+        print(f"{name:<14}" + "".join(f"{r:>9.3f}" for r in ratios),
+              flush=True)
+    print(f"{'mean':<14}" + "".join(
+        f"{t / len(names):>9.3f}" for t in totals))
+
+
 def format_rows(rows, budget) -> str:
-    head = (f"{'model':<13}{'machine':<9}{'batch':>6}{'ops':>5}"
-            f"{'DP ms':>10}{'greedy ms':>11}{'random ms':>11}"
-            f"{'MCMC ms':>10}{'MCMC/DP':>9}{'MCMC s':>8}"
-            f"{'greedy s':>9}{'random s':>9}")
+    head = (f"{'model':<14}{'machine':<9}{'batch':>6}{'ops':>5}"
+            f"{'DP ms':>10}{'expert ms':>11}{'greedy ms':>11}"
+            f"{'random ms':>11}{'MCMC ms':>10}{'MCMC/DP':>9}"
+            f"{'vs expert':>10}{'MCMC s':>8}  expert")
     lines = [f"budget={budget} iterations/simulations per search", head]
     for r in rows:
         lines.append(
-            f"{r['model']:<13}{r['machine']:<9}{r['batch']:>6}"
-            f"{r['ops']:>5}{r['dp']:>10.2f}{r['greedy']:>11.2f}"
-            f"{r['random']:>11.2f}{r['mcmc']:>10.2f}"
-            f"{r['dp'] / r['mcmc']:>8.2f}x{r['mcmc_s']:>8.1f}"
-            f"{r['greedy_s']:>9.1f}{r['random_s']:>9.1f}"
+            f"{r['model']:<14}{r['machine']:<9}{r['batch']:>6}"
+            f"{r['ops']:>5}{r['dp']:>10.2f}{r['expert']:>11.2f}"
+            f"{r['greedy']:>11.2f}{r['random']:>11.2f}{r['mcmc']:>10.2f}"
+            f"{r['dp'] / r['mcmc']:>8.2f}x{r['expert'] / r['mcmc']:>9.2f}x"
+            f"{r['mcmc_s']:>8.1f}  {r['expert_name']}"
         )
     return "\n".join(lines)
 
@@ -220,29 +215,38 @@ def main(argv=None) -> int:
     flags = settings.resolve()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(CASES))
+    parser.add_argument("--relative-alpha", type=float,
+                        default=search_lib.RELATIVE_ALPHA)
     parser.add_argument("--show-strategy", action="store_true")
     parser.add_argument("--no-random", action="store_true",
                         help="Skip random search (slow on big graphs).")
     parser.add_argument("--export-dir", default=None,
                         help="Write each MCMC strategy as "
-                        "<model>_<machine>.txt there.")
+                        "<example>_<machine>.txt and .pb there.")
+    parser.add_argument("--tune", default=None,
+                        help="Comma-separated relative alphas to compare.")
     args = parser.parse_args(argv)
-    args.budget = flags.search_budget
-    args.seed = 0 if flags.search_seed is None else flags.search_seed
-    args.alpha = flags.search_alpha
+    budget = flags.search_budget
+    seed = 0 if flags.search_seed is None else flags.search_seed
+    names = args.models.split(",")
+    if args.tune:
+        tune(names, budget, seed,
+             [float(v) for v in args.tune.split(",")])
+        return 0
     rows = []
-    for name in args.models.split(","):
-        row = run_case(name, args.budget, args.seed, args.alpha,
-                       not args.no_random)
+    for name in names:
+        row = run_case(name, budget, seed, flags.search_alpha,
+                       args.relative_alpha, not args.no_random)
         rows.append(row)
-        print(format_rows([row], args.budget).splitlines()[-1], flush=True)
+        print(format_rows([row], budget).splitlines()[-1], flush=True)
         if args.show_strategy:
             print(row["strategy"].to_text())
         if args.export_dir:
-            path = os.path.join(args.export_dir,
-                                f"{name}_{row['machine']}.txt")
-            strategy_files.save_strategy(row["strategy"], path)
-    print(format_rows(rows, args.budget))
+            stem = os.path.join(args.export_dir,
+                                f"{CASES[name][0]}_{row['machine']}")
+            for ext in (".txt", ".pb"):
+                strategy_files.save_strategy(row["strategy"], stem + ext)
+    print(format_rows(rows, budget))
     return 0
 
 

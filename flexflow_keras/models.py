@@ -38,7 +38,8 @@ class _PlanningModel(StrategyTrainer):
 
         Args:
             search_budget: MCMC iterations (0: data parallelism).
-            search_alpha: MCMC acceptance factor, default 0.05.
+            search_alpha: FlexFlow's per-ms MCMC acceptance factor;
+                default None: the relative rule (`docs/SEARCH.md`).
             search_seed: Seed for a reproducible search.
             export_strategy: Path (`.pb` or `.txt`) to write the strategy.
             import_strategy: Strategy file to use instead of searching.

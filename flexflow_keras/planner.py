@@ -81,7 +81,7 @@ def make_plan(
     proposed; it raises `capabilities.Unsupported` for a layer that
     DTensor cannot run at all.
     """
-    from flexflow_keras import machine as machine_lib
+    from flexflow_keras import experts, machine as machine_lib
     from flexflow_keras import search, search_space, simulator
     from flexflow_keras import strategy_files
 
@@ -126,6 +126,9 @@ def make_plan(
             seed=settings.search_seed,
             verbose=verbose,
             one_mesh_parts=parts,
+            candidates=() if parts is not None else (
+                experts.expert_strategy(graph, num_devices),
+            ),
         )
         plan = Plan(graph, result.strategy, "search", result, machine)
     if settings.export_strategy:

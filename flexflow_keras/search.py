@@ -3,8 +3,14 @@
 Starts from data parallelism. Each iteration picks a random op and a
 random valid config for it (`search_space.random_config`), scores the
 changed strategy with the simulator's delta simulation, and accepts it if
-faster, else with probability `exp(-alpha * (next_ms - cur_ms))`; the
-best strategy seen is kept. As in FlexFlow's `FFModel::optimize`, the
+faster, else with probability `exp(-relative_alpha * (next_ms - cur_ms)
+/ cur_ms)` (or FlexFlow's per-ms rule, `exp(-alpha * (next_ms -
+cur_ms))`, when `alpha` is given); the best strategy seen is kept.
+
+Why relative by default: FlexFlow's alpha 0.05 per ms accepts a
+proposal 10 ms slower 60% of the time, so on 40-150 ms steps the chain
+is close to a random walk, and on 2 ms steps it never leaves a local
+optimum. A rule on the relative change behaves alike at every scale. As in FlexFlow's `FFModel::optimize`, the
 chain restarts from the best strategy every `budget / 100` iterations
 (at least 1, at most 1000). Infeasible proposals (over a device's
 memory) are rejected. Ctrl-C ends the search early and keeps the best.
@@ -34,6 +40,10 @@ from flexflow_keras.search_space import (
 from flexflow_keras.strategy import Strategy, validate_config
 
 PROGRESS_EVERY = 100
+# Default acceptance factor on the relative change: a proposal 1% slower
+# is accepted with probability exp(-0.01 * RELATIVE_ALPHA). Chosen on the
+# benchmark suite (bench/search_bench.py --tune-alpha; docs/SEARCH.md).
+RELATIVE_ALPHA = 100.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +93,7 @@ def search(
     simulator: Any,
     num_devices: int,
     budget: int,
-    alpha: float = 0.05,
+    alpha: float | None = None,
     seed: int | None = None,
     verbose: int = 1,
     initial: Strategy | None = None,
@@ -91,6 +101,8 @@ def search(
     reset_every: int | None = None,
     propagation: float = 0.0,
     one_mesh_parts: int | None = None,
+    relative_alpha: float = RELATIVE_ALPHA,
+    candidates: tuple[Strategy, ...] = (),
 ) -> SearchResult:
     """Runs FlexFlow's MCMC search for `budget` iterations.
 
@@ -100,8 +112,9 @@ def search(
             docstring for the interface).
         num_devices: Devices of the machine (ids 0..n-1).
         budget: Iterations; 0 returns data parallelism.
-        alpha: Temperature factor per ms: a proposal slower by d ms is
-            accepted with probability exp(-alpha * d).
+        alpha: FlexFlow's temperature factor per ms: a proposal slower
+            by d ms is accepted with probability exp(-alpha * d). None
+            (default): the relative rule with `relative_alpha`.
         seed: Seed for the proposals; the same seed, graph and simulator
             give the same result. None draws one.
         verbose: 0 silent; 1 FlexFlow's progress lines every 100
@@ -119,6 +132,11 @@ def search(
             (`search_space.one_mesh_configs`), starting from
             `one_mesh_data_parallel`; for models that run their own
             training step. None: the whole SOAP space.
+        relative_alpha: Without `alpha`, a proposal slower by a
+            fraction r of the current step is accepted with probability
+            exp(-relative_alpha * r).
+        candidates: Other start points (expert strategies, say): the
+            chain starts from the fastest of them and the usual start.
 
     A strategy that puts every op on one device is never proposed when
     there are several: that is plain Keras on one device, which needs no
@@ -133,8 +151,13 @@ def search(
         raise ValueError(
             f"`budget` must be >= 0. Received: budget={budget}"
         )
-    if alpha < 0:
+    if alpha is not None and alpha < 0:
         raise ValueError(f"`alpha` must be >= 0. Received: alpha={alpha}")
+    if relative_alpha < 0:
+        raise ValueError(
+            "`relative_alpha` must be >= 0. "
+            f"Received: relative_alpha={relative_alpha}"
+        )
     out = print_fn or _print
     if seed is None:
         seed = random.SystemRandom().randrange(2**31)
@@ -152,6 +175,12 @@ def search(
     else:
         data_parallel_ms = _ms(simulator.simulate(data_parallel))
         cur_ms = _ms(simulator.start(current))
+    for candidate in candidates:
+        candidate.validate(graph, num_devices)
+        candidate, _ = tie_shared(graph, candidate)
+        candidate_ms = _ms(simulator.simulate(candidate))
+        if candidate_ms < cur_ms:
+            current, cur_ms = candidate, _ms(simulator.start(candidate))
     best, best_ms = current, cur_ms
     if reset_every is None:
         reset_every = min(max(budget // 100, 1), 1000)
@@ -196,7 +225,7 @@ def search(
                     next_ms = _ms(simulator.propose_many(
                         {name: config for name in tied}
                     ))
-                if _accept(next_ms, cur_ms, alpha, rng):
+                if _accept(next_ms, cur_ms, alpha, relative_alpha, rng):
                     simulator.accept()
                     for name in names:
                         if used is not None:
@@ -294,14 +323,21 @@ def _neighbour_config(
 
 
 def _accept(
-    next_ms: float, cur_ms: float, alpha: float, rng: random.Random
+    next_ms: float, cur_ms: float, alpha: float | None,
+    relative_alpha: float, rng: random.Random,
 ) -> bool:
-    """Metropolis rule; draws a number only when it must (reproducible)."""
+    """Metropolis rule; draws a number only when it must (reproducible).
+    Per ms with `alpha`, else on the relative change."""
     if math.isinf(next_ms):
         return False
     if next_ms < cur_ms:
         return True
-    return rng.random() < math.exp(-alpha * (next_ms - cur_ms))
+    if alpha is not None:
+        return rng.random() < math.exp(-alpha * (next_ms - cur_ms))
+    if math.isinf(cur_ms):
+        return True  # anything feasible beats an infeasible start
+    change = (next_ms - cur_ms) / max(cur_ms, 1e-9)
+    return rng.random() < math.exp(-relative_alpha * change)
 
 
 def _print(line: str) -> None:

@@ -47,7 +47,9 @@ class Settings:
 
     Args:
         search_budget: MCMC iterations; 0 keeps data parallelism.
-        search_alpha: MCMC temperature factor (FlexFlow's alpha, per ms).
+        search_alpha: FlexFlow's MCMC temperature factor, per ms; None
+            (default): the search's rule on the relative change
+            (`search.RELATIVE_ALPHA`).
         search_seed: Seed of the search; None draws one.
         export_strategy: Path to write the chosen strategy to.
         import_strategy: Path of a strategy to use instead of searching.
@@ -57,7 +59,7 @@ class Settings:
     """
 
     search_budget: int = 1000
-    search_alpha: float = 0.05
+    search_alpha: float | None = None
     search_seed: int | None = None
     export_strategy: str | None = None
     import_strategy: str | None = None
@@ -70,7 +72,7 @@ class Settings:
                 "`search_budget` must be >= 0 (0 keeps data parallelism). "
                 f"Received: search_budget={self.search_budget}"
             )
-        if self.search_alpha < 0:
+        if self.search_alpha is not None and self.search_alpha < 0:
             raise ValueError(
                 "`search_alpha` must be >= 0. "
                 f"Received: search_alpha={self.search_alpha}"

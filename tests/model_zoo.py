@@ -255,3 +255,17 @@ def dlrm(
                 units, activation=activation, name=f"top_{j}"
             )(x)
         return keras.Model([dense, *sparse], x, name="dlrm")
+
+
+def load_example(name: str):
+    """The module of `examples/<name>.py` (its `build_model(small)`,
+    `make_data`, `SMALL` and `FULL`), imported without running it."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "examples", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

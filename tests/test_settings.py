@@ -47,7 +47,7 @@ class TakeFlagsTest(unittest.TestCase):
 class ResolveTest(unittest.TestCase):
     def test_defaults(self):
         resolved = settings.resolve({}, command_line={}, environ={})
-        self.assertEqual(resolved.search_alpha, 0.05)
+        self.assertIsNone(resolved.search_alpha)  # the relative rule
         self.assertIsNone(resolved.import_strategy)
 
     def test_precedence(self):

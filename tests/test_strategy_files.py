@@ -180,21 +180,3 @@ class StrategyFilesTest(unittest.TestCase):
     def test_missing_file(self):
         with self.assertRaisesRegex(ValueError, "does not exist"):
             load_strategy(self.path("nope.pb"), self.graph, 4)
-
-
-class ExampleStrategiesTest(unittest.TestCase):
-    def test_dlrm_example_loads_for_the_case_study_model(self):
-        import model_zoo
-
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        model = model_zoo.dlrm(8, 1_000_000, 64, 64, (512, 512, 64),
-                               (1024, 1024, 1024, 1), defer_weights=True)
-        graph = build_graph(model, 1024)
-        binary = load_strategy(
-            os.path.join(root, "strategies", "dlrm_v100x4.pb"), graph, 4
-        )
-        text = load_strategy(
-            os.path.join(root, "strategies", "dlrm_v100x4.txt"), graph, 4
-        )
-        self.assertEqual(binary, text)
-        self.assertEqual(binary["embedding_0"].num_parts, 1)
