@@ -41,6 +41,7 @@ from flexflow_keras.capabilities import Probed
 from flexflow_keras.graph import Op, OpGraph
 from flexflow_keras.runtime import op_rules
 from flexflow_keras.runtime.unroll import unrolled
+from flexflow_keras.runtime.variables import replicate
 
 DEFAULT_CACHE_PATH = os.path.join(disk_cache.CACHE_DIR, "capabilities.json")
 PROBE_BATCH = 4
@@ -191,11 +192,7 @@ def _forward_backward(
 
     def put(value):
         value = tf.convert_to_tensor(value)
-        if mesh is None:
-            return value
-        return dtensor.copy_to_mesh(
-            value, dtensor.Layout.replicated(mesh, value.shape.rank)
-        )
+        return value if mesh is None else replicate(value, mesh)
 
     def batch_split(x):
         if mesh is None or not split or not x.shape.rank:

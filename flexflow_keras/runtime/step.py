@@ -30,7 +30,7 @@ from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.layouts import replicated, segments
 from flexflow_keras.runtime.optimizers import Updater
 from flexflow_keras.runtime.variables import (
-    VariableStore, attributes_set, layer_constants, layer_variables,
+    VariableStore, attributes_set, layer_constants, layer_variables, replicate,
 )
 
 
@@ -38,8 +38,7 @@ def _to_mesh(value: Any, mesh: Any) -> Any:
     """A regular tensor copied, replicated, onto `mesh` (eager)."""
     if value is None:
         return None
-    value = tf.convert_to_tensor(value)
-    return dtensor.copy_to_mesh(value, replicated(mesh, value.shape.rank))
+    return replicate(value, mesh)
 
 
 def _local(value: Any) -> Any:

@@ -67,40 +67,48 @@ class Transfers:
 
     def copy_in(self, pairs: list[tuple[Any, Any, Any]]) -> None:
         """Keras values -> DVariables (laid out as each pair says)."""
-        if not pairs:
-            return
-        key = ("in",) + tuple(id(dvar) for _, dvar, _ in pairs)
-        function = self._functions.get(key)
-        if function is None:
-            targets = [(dvar, layout) for _, dvar, layout in pairs]
-
-            def assign_all(values):
-                for (dvar, layout), value in zip(targets, values):
-                    dvar.assign(dtensor.relayout(value, layout))
-
-            function = self._functions[key] = step_function(assign_all)
-        function([replicate(var.value, self._mesh) for var, _, _ in pairs])
+        if pairs:
+            assign_all = self._compiled("in", pairs, _assign_all)
+            assign_all([replicate(var.value, self._mesh)
+                        for var, _, _ in pairs])
 
     def copy_out(self, pairs: list[tuple[Any, Any, Any]]) -> None:
         """DVariables -> Keras values (the shards gathered)."""
-        if not pairs:
-            return
-        key = ("out",) + tuple(id(dvar) for _, dvar, _ in pairs)
-        function = self._functions.get(key)
-        if function is None:
-            sources = [dvar for _, dvar, _ in pairs]
+        if pairs:
+            read_all = self._compiled("out", pairs, _read_all)
+            for (var, _, _), value in zip(pairs, read_all()):
+                var.assign(dtensor.unpack(value)[0])
 
-            def read_all():
-                return [
-                    dtensor.relayout(
-                        dvar.read_value(), replicated(self._mesh, dvar.shape.rank)
-                    )
-                    for dvar in sources
-                ]
+    def _compiled(self, direction: str, pairs: list, make: Any) -> Any:
+        """The compiled `make(pairs)`, traced once per variable set."""
+        key = (direction,) + tuple(id(dvar) for _, dvar, _ in pairs)
+        if key not in self._functions:
+            self._functions[key] = step_function(make(pairs))
+        return self._functions[key]
 
-            function = self._functions[key] = step_function(read_all)
-        for (var, _, _), value in zip(pairs, function()):
-            var.assign(dtensor.unpack(value)[0])
+
+def _assign_all(pairs: list[tuple[Any, Any, Any]]) -> Any:
+    """A function assigning replicated values to the pairs' DVariables,
+    each relaid to its layout."""
+    targets = [(dvar, layout) for _, dvar, layout in pairs]
+
+    def assign_all(values):
+        for (dvar, layout), value in zip(targets, values):
+            dvar.assign(dtensor.relayout(value, layout))
+
+    return assign_all
+
+
+def _read_all(pairs: list[tuple[Any, Any, Any]]) -> Any:
+    """A function reading the pairs' DVariables, each made replicated."""
+    sources = [(dvar, replicated(layout.mesh, layout.rank))
+               for _, dvar, layout in pairs]
+
+    def read_all():
+        return [dtensor.relayout(dvar.read_value(), whole)
+                for dvar, whole in sources]
+
+    return read_all
 
 
 def layer_constants(layer: Any, mesh: Any) -> list[tuple[Any, str, Any]]:
@@ -154,7 +162,6 @@ class VariableStore:
         self._keras: dict[int, Any] = {}
         self._layouts: dict[int, Any] = {}
         self.mesh_of: dict[int, Any] = {}
-        self._transfers: dict[Any, Transfers] = {}
         for plan in plans:
             layer = plan.op.layer
             infos = {}
@@ -175,6 +182,13 @@ class VariableStore:
                 self._dvars[id(var)] = dtensor.DVariable(
                     to_layout(var.value, layout), trainable=var.trainable
                 )
+        groups: dict[Any, list] = {}  # mesh -> (keras, dvariable, layout)
+        for key, var in self._keras.items():
+            groups.setdefault(self.mesh_of[key], []).append(
+                (var, self._dvars[key], self._layouts[key])
+            )
+        self._by_mesh = [(Transfers(mesh), pairs)
+                         for mesh, pairs in groups.items()]
 
     def dvariable(self, var: Any) -> Any:
         return self._dvars[id(var)]
@@ -187,23 +201,10 @@ class VariableStore:
 
     def push(self) -> None:
         """Keras values -> DVariables."""
-        for transfers, pairs in self._by_mesh():
+        for transfers, pairs in self._by_mesh:
             transfers.copy_in(pairs)
 
     def pull(self) -> None:
         """DVariables -> Keras values (gathers the shards)."""
-        for transfers, pairs in self._by_mesh():
+        for transfers, pairs in self._by_mesh:
             transfers.copy_out(pairs)
-
-    def _by_mesh(self) -> list[tuple[Transfers, list]]:
-        """(the mesh's Transfers, its (keras, dvariable, layout) pairs)."""
-        groups: dict[Any, list] = {}
-        for key, var in self._keras.items():
-            groups.setdefault(self.mesh_of[key], []).append(
-                (var, self._dvars[key], self._layouts[key])
-            )
-        for mesh in groups:
-            if mesh not in self._transfers:
-                self._transfers[mesh] = Transfers(mesh)
-        return [(self._transfers[mesh], pairs)
-                for mesh, pairs in groups.items()]
