@@ -109,7 +109,7 @@ def _per_op_ms(sim: Any, strategy: Any) -> dict[str, float]:
 
 def cmd_search(args: argparse.Namespace, out: Any) -> int:
     from flexflow_keras import machine as machine_lib
-    from flexflow_keras import search, strategy_files
+    from flexflow_keras import planner, search, strategy_files
 
     settings = _settings(args)
     graph = _load_graph(args.model, args.batch_size)
@@ -120,6 +120,7 @@ def cmd_search(args: argparse.Namespace, out: Any) -> int:
         alpha=settings.search_alpha, seed=settings.search_seed,
         verbose=0 if args.quiet else 1,
         print_fn=lambda line: print(line, file=out, flush=True),
+        candidates=planner.search_candidates(graph, machine.num_devices),
     )
     if args.quiet:
         print(search.report(result), file=out)

@@ -27,7 +27,6 @@ a split an op cannot take falls back to its data-parallel config.
 
 from collections.abc import Callable
 
-from flexflow_keras.capabilities import PARAMETER
 from flexflow_keras.graph import Op, OpGraph
 from flexflow_keras.strategy import (
     ParallelConfig, Strategy, data_parallel_config, validate_config,
@@ -99,9 +98,7 @@ def one_weird_trick(graph: OpGraph, num_devices: int) -> Strategy:
             op, split := _channel_split(op, num_devices), num_devices
         ):
             configs[op.name] = split
-        elif i > last_conv and any(
-            p.type in FC_TYPES for p in graph.predecessors(op)
-        ):
+        elif any(p.type in FC_TYPES for p in graph.predecessors(op)):
             configs[op.name] = _follow_or_data_parallel(
                 graph, op, configs, num_devices
             )
@@ -147,9 +144,7 @@ def embedding_columns(graph: OpGraph, num_devices: int) -> Strategy:
     configs = {}
     for op in graph:
         config = None
-        if op.type == "Embedding" and op.partitionable.get(
-            op.rank - 1
-        ) == PARAMETER:
+        if op.type == "Embedding":  # its parameter dim: the columns
             config = _channel_split(op, num_devices)
         if not _valid(op, config, num_devices):
             config = data_parallel_config(op, num_devices)

@@ -81,7 +81,7 @@ def make_plan(
     proposed; it raises `capabilities.Unsupported` for a layer that
     DTensor cannot run at all.
     """
-    from flexflow_keras import experts, machine as machine_lib
+    from flexflow_keras import machine as machine_lib
     from flexflow_keras import search, search_space, simulator
     from flexflow_keras import strategy_files
 
@@ -126,9 +126,7 @@ def make_plan(
             seed=settings.search_seed,
             verbose=verbose,
             one_mesh_parts=parts,
-            candidates=() if parts is not None else (
-                experts.expert_strategy(graph, num_devices),
-            ),
+            candidates=search_candidates(graph, num_devices, parts),
         )
         plan = Plan(graph, result.strategy, "search", result, machine)
     if settings.export_strategy:
@@ -138,6 +136,19 @@ def make_plan(
         step_ms=sim.simulate(plan.strategy).step_ms,
         per_op_ms=per_op_ms(graph, plan.strategy, sim.cost),
     )
+
+
+def search_candidates(
+    graph: OpGraph, num_devices: int, one_mesh_parts: int | None = None
+) -> tuple[Strategy, ...]:
+    """The start points the search weighs against data parallelism: the
+    model kind's expert strategy (`experts.py`), except on one mesh,
+    whose space it is not in."""
+    from flexflow_keras import experts
+
+    if one_mesh_parts is not None:
+        return ()
+    return (experts.expert_strategy(graph, num_devices),)
 
 
 def _one_mesh_reason(graph: OpGraph) -> str | None:

@@ -1,19 +1,23 @@
 """MCMC search over strategies, as in FlexFlow (MLSys'19, section 6).
 
-Starts from data parallelism. Each iteration picks a random op and a
-random valid config for it (`search_space.random_config`), scores the
-changed strategy with the simulator's delta simulation, and accepts it if
-faster, else with probability `exp(-relative_alpha * (next_ms - cur_ms)
-/ cur_ms)` (or FlexFlow's per-ms rule, `exp(-alpha * (next_ms -
-cur_ms))`, when `alpha` is given); the best strategy seen is kept.
+Starts from data parallelism, or from the fastest of the `candidates`
+given (`compile()` passes the model's expert strategy, `experts.py`).
+Each iteration picks a random op and a random valid config for it
+(`search_space.random_config`), scores the changed strategy with the
+simulator's delta simulation, and accepts it if faster, else with
+probability `exp(-relative_alpha * (next_ms - cur_ms) / cur_ms)` (or
+FlexFlow's per-ms rule, `exp(-alpha * (next_ms - cur_ms))`, when `alpha`
+is given); the best strategy seen is kept.
 
 Why relative by default: FlexFlow's alpha 0.05 per ms accepts a
 proposal 10 ms slower 60% of the time, so on 40-150 ms steps the chain
 is close to a random walk, and on 2 ms steps it never leaves a local
-optimum. A rule on the relative change behaves alike at every scale. As in FlexFlow's `FFModel::optimize`, the
-chain restarts from the best strategy every `budget / 100` iterations
-(at least 1, at most 1000). Infeasible proposals (over a device's
-memory) are rejected. Ctrl-C ends the search early and keeps the best.
+optimum. A rule on the relative change behaves alike at every scale.
+
+As in FlexFlow's `FFModel::optimize`, the chain restarts from the best
+strategy every `budget / 100` iterations (at least 1, at most 1000).
+Infeasible proposals (over a device's memory) are rejected. Ctrl-C
+ends the search early and keeps the best.
 
 The calls of a shared layer (`search_space.weight_ties`) change config
 together, as the runtime runs them.
@@ -42,7 +46,7 @@ from flexflow_keras.strategy import Strategy, validate_config
 PROGRESS_EVERY = 100
 # Default acceptance factor on the relative change: a proposal 1% slower
 # is accepted with probability exp(-0.01 * RELATIVE_ALPHA). Chosen on the
-# benchmark suite (bench/search_bench.py --tune-alpha; docs/SEARCH.md).
+# benchmark suite (bench/search_bench.py --tune; docs/SEARCH.md).
 RELATIVE_ALPHA = 100.0
 
 

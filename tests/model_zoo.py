@@ -257,15 +257,24 @@ def dlrm(
         return keras.Model([dense, *sparse], x, name="dlrm")
 
 
-def load_example(name: str):
-    """The module of `examples/<name>.py` (its `build_model(small)`,
-    `make_data`, `SMALL` and `FULL`), imported without running it."""
+def load_script(path: str):
+    """The module of the project file `path` (relative to the project
+    root, e.g. `bench/search_bench.py`), imported without running its
+    `__main__` block."""
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))), "examples", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    name = os.path.splitext(path)[0].replace("/", "_")
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(root, path)
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_example(name: str):
+    """The module of `examples/<name>.py` (its `build_model(small)`,
+    `make_data`, `SMALL` and `FULL`)."""
+    return load_script(f"examples/{name}.py")

@@ -11,7 +11,7 @@ from flexflow_keras.simulator import Simulator
 from flexflow_keras.strategy import Strategy
 
 
-def small_graph(name: str, devices: int = 4):
+def small_graph(name: str):
     module = model_zoo.load_example(name)
     return build_graph(module.build_model(small=True), module.SMALL["batch"])
 

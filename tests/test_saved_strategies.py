@@ -6,31 +6,22 @@ example, to the graph builder or to what an op may split must come with
 re-exported files (the README says how), or this fails.
 """
 
-import importlib.util
 import os
 import unittest
 
+import model_zoo
 from flexflow_keras.machine import load_machine
 from flexflow_keras.strategy_files import load_strategy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "search_bench", os.path.join(ROOT, "bench", "search_bench.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 class SavedStrategiesTest(unittest.TestCase):
     def test_each_file_loads_against_its_example(self):
-        bench = _bench()
+        bench = model_zoo.load_script("bench/search_bench.py")
         folder = os.path.join(ROOT, "strategies")
         files = sorted(f for f in os.listdir(folder)
-                       if f.endswith((".txt", ".pb")) and f != "README.md")
+                       if f.endswith((".txt", ".pb")))
         cases = {
             f"{example}_{machine}": name
             for name, (example, machine, _) in bench.CASES.items()
