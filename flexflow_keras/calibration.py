@@ -31,13 +31,23 @@ on them (like op costs, and cached on disk the same way):
 Imports TensorFlow only when measuring. `live_calibration()` is what
 `machine.live_machine()` uses; `FLEXFLOW_KERAS_CALIBRATE=0` skips it
 (nominal figures, as before).
+
+In DTensor's multi-client mode the measurement runs in a process of its
+own (`python -m flexflow_keras.calibration`, one client's devices, no
+DTensor clients): a collective on a mesh only one client knows would
+put that client's collective keys out of step with the others', and the
+next collective they share would fail or hang.
 """
 
 import dataclasses
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
+
+from flexflow_keras import settings
 from typing import Any
 
 from flexflow_keras import disk_cache
@@ -87,7 +97,10 @@ def live_calibration(
     entries = disk_cache.read(path)
     if key in entries:
         return Calibration.from_json(entries[key])
-    found = measure(device_names)
+    if settings.dtensor_clients() is not None:
+        found = _measure_alone(len(device_names), device_names[0])
+    else:
+        found = measure(device_names)
     entries[key] = found.to_json()
     try:
         disk_cache.write(path, entries)
@@ -277,3 +290,31 @@ def _update_fit(device: str) -> dict[str, float]:
     moved = (3 + 2 * slots) * 4 * (256 * 512 - 16)
     gbps = moved / max(t_large - t_small, 1e-6) / 1e6
     return {"update_overhead_ms": t_small, "update_gbps": gbps}
+
+
+def _measure_alone(count: int, first_device: str) -> Calibration:
+    """`measure` in a fresh process on `count` devices of this host."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("DTENSOR_")}
+    if ":CPU:" in first_device:
+        env[settings.ENV_PREFIX + "CPU_DEVICES"] = str(count)
+    done = subprocess.run(
+        [sys.executable, "-m", "flexflow_keras.calibration"],
+        env=env, capture_output=True, text=True,
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(
+            "Measuring this host's devices in a process of its own failed "
+            f"(status {done.returncode}): {done.stderr.strip()[-2000:]}. "
+            "Set FLEXFLOW_KERAS_CALIBRATE=0 to use nominal figures."
+        )
+    return Calibration.from_json(json.loads(lines[-1]))
+
+
+if __name__ == "__main__":
+    # One host's calibration, as one JSON line (see `_measure_alone`).
+    from flexflow_keras import devices
+
+    names = devices.device_names()
+    print(json.dumps(measure(names).to_json()))

@@ -4,9 +4,17 @@ Virtual CPU devices must be declared before TensorFlow touches its
 devices (i.e. before any model is built), so this runs at package import.
 With GPUs present, the GPUs are the devices; otherwise
 `--cpu-devices N` / `FLEXFLOW_KERAS_CPU_DEVICES` virtual CPUs (default 4).
+
+In DTensor's multi-client mode (`DTENSOR_JOBS` lists several clients:
+`python -m flexflow_keras.launch`, or a cluster scheduler; see
+docs/MULTIHOST.md) DTensor is initialised here too, before anything
+else touches the devices, and a strategy's device ids are global:
+host-major, client k's devices after client k-1's.
 """
 
 import warnings
+
+from flexflow_keras import settings as settings_lib
 
 DEFAULT_CPU_DEVICES = 4
 
@@ -20,7 +28,10 @@ def setup_devices(cpu_devices: int | None) -> None:
     """
     import tensorflow as tf
 
+    clients = settings_lib.dtensor_clients()
     if cpu_devices is None and tf.config.list_physical_devices("GPU"):
+        if clients is not None:
+            _initialize_clients("GPU")
         return
     count = cpu_devices or DEFAULT_CPU_DEVICES
     cpu = tf.config.list_physical_devices("CPU")[0]
@@ -37,15 +48,65 @@ def setup_devices(cpu_devices: int | None) -> None:
                 "any TensorFlow or Keras object.",
                 stacklevel=3,
             )
+    if clients is not None:
+        _initialize_clients("CPU")
+
+
+# Seed every client's random generators alike, before the script runs.
+CLIENT_SEED = 0
+
+
+def _initialize_clients(kind: str) -> None:
+    """Joins the DTensor clients (blocks until every client is up) and
+    seeds Python's, NumPy's, TensorFlow's and Keras's generators with
+    `CLIENT_SEED` on every client.
+
+    Why the seed: every client runs the same script, and each must draw
+    the same initial weights and the same shuffle of the data (each
+    feeds its own part of every global batch: with different shuffles
+    some samples would be read twice and others never). A script that
+    sets its own seed sets it on every client alike.
+    """
+    import keras
+    from tensorflow.experimental import dtensor
+
+    dtensor.initialize_accelerator_system(kind)
+    keras.utils.set_random_seed(CLIENT_SEED)
+
+
+def client_id() -> int:
+    """This process's DTensor client (0 when it runs alone)."""
+    clients = settings_lib.dtensor_clients()
+    return 0 if clients is None else clients.client_id
 
 
 def device_names() -> tuple[str, ...]:
     """Full names of the devices a strategy's ids 0..n-1 refer to."""
     import tensorflow as tf
 
+    clients = settings_lib.dtensor_clients()
+    if clients is not None:
+        from tensorflow.experimental import dtensor
+
+        kind = device_kind()
+        local = dtensor.num_local_devices(kind)
+        return tuple(
+            f"/job:{clients.job_name}/replica:0/task:{k}/device:{kind}:{i}"
+            for k in range(clients.num_clients) for i in range(local)
+        )
     gpus = tf.config.list_logical_devices("GPU")
     devices = gpus or tf.config.list_logical_devices("CPU")
     return tuple(d.name for d in devices)
+
+
+def local_device_names() -> tuple[str, ...] | None:
+    """The devices of `device_names()` this process drives; None when it
+    drives all of them (no multi-client mode)."""
+    clients = settings_lib.dtensor_clients()
+    if clients is None:
+        return None
+    task = f"/task:{clients.client_id}/"
+    return tuple(n for n in device_names() if task in n)
 
 
 def device_kind() -> str:

@@ -400,6 +400,10 @@ def _check_keys(
         )
 
 
+# Between DTensor clients (hosts): gRPC over TCP, nominal (not measured;
+# 10 GbE-class). docs/MULTIHOST.md.
+CLIENT_LINK = LinkGroup("network", 1.25, 0.05)
+
 # Nominal figures for attached devices; measured costs do not use the
 # FLOP/s, only memory capacity and links matter to the simulator.
 _GPU_TABLE = {
@@ -413,24 +417,33 @@ def live_machine() -> MachineModel:
 
     Links, how many devices compute at once and the fixed cost of a step
     are measured on them once (`calibration.py`); nominal figures where
-    that is turned off."""
+    that is turned off.
+
+    In DTensor's multi-client mode the machine is the clients as nodes
+    of this process's devices each: this client's devices are measured,
+    and the link between clients (`CLIENT_LINK`, nominal) is the
+    network, so the search prices traffic between hosts."""
     from flexflow_keras import calibration, devices
 
     names = devices.device_names()
+    local = devices.local_device_names() or names
+    nodes = len(names) // len(local)
     if devices.device_kind() == "GPU":
         spec = _live_gpu_spec()
         intra = LinkGroup("pcie", 15.75, _us(5.0))
     else:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         spec = DeviceSpec(
-            "CPU", 0, 50e9, total // max(len(names), 1), 20.0,
+            "CPU", 0, 50e9, total // max(len(local), 1), 20.0,
             _us(2.0),
         )
         # Virtual CPU devices share host memory: a copy is a memcpy.
         intra = LinkGroup("host", 10.0, _us(5.0))
-    measured = calibration.live_calibration(names)
+    inter = CLIENT_LINK if nodes > 1 else None
+    measured = calibration.live_calibration(local)
     if measured is None:
-        return MachineModel("live", spec, 1, len(names), intra, live=True)
+        return MachineModel("live", spec, nodes, len(local), intra, inter,
+                            live=True)
     # Op costs are measured; the spec's bandwidth and launch cost are what
     # `cost.update_ms` reads, so they are the measured update's.
     spec = dataclasses.replace(
@@ -442,10 +455,14 @@ def live_machine() -> MachineModel:
     )
     groups = measured.compute_groups
     return MachineModel(
-        "live", spec, 1, len(names), intra, live=True,
-        compute_groups=None if groups >= len(names) else groups,
+        "live", spec, nodes, len(local), intra, inter, live=True,
+        compute_groups=None if groups >= len(local) else groups,
         step_overhead_ms=measured.step_overhead_ms,
-        allreduce=(measured.allreduce_latency_ms, measured.allreduce_gbps),
+        # The measured all-reduce is within one client; across clients
+        # the ring over the links prices the network.
+        allreduce=None if nodes > 1 else (
+            measured.allreduce_latency_ms, measured.allreduce_gbps
+        ),
         call_overhead_ms=measured.call_overhead_ms,
     )
 

@@ -143,13 +143,27 @@ class _PlanningModel(StrategyTrainer):
         plan = self._ff_plans.get(batch_size)
         if plan is None:
             own_step = "; ".join(runtime.own_step_reasons(self))
-            try:
-                plan = planner.make_plan(
+            clients = settings_lib.dtensor_clients()
+            if clients is not None:
+                # Meshes of several clients hold every device.
+                own_step = "; ".join(filter(None, [
+                    own_step, f"it trains over {clients.num_clients} "
+                    "DTensor clients",
+                ]))
+
+            def make():
+                return planner.make_plan(
                     self, batch_size, self._ff_settings,
                     optimizer=getattr(self, "optimizer", None),
                     one_mesh_reason=own_step or None,
                     probe=runtime.probe_graph,
                 )
+
+            try:
+                if clients is None:
+                    plan = make()
+                else:
+                    plan = runtime.agreed_plan(self, batch_size, make)
             except capabilities.Unsupported as error:
                 self._strategy_failed(
                     f"Model '{self.name}' trains as plain Keras on one "

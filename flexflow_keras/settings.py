@@ -140,6 +140,60 @@ def from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
 _COMMAND_LINE: Mapping[str, Any] = dict(take_flags(sys.argv))
 
 
+def command_line() -> dict[str, Any]:
+    """The package's flags taken from this process's command line."""
+    return dict(_COMMAND_LINE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Clients:
+    """This process's place among DTensor clients (multi-client mode).
+
+    Args:
+        client_id: This client, 0..num_clients-1 (`DTENSOR_CLIENT_ID`).
+        num_clients: Clients in all (`DTENSOR_JOBS` entries).
+        job_name: `DTENSOR_JOB_NAME`.
+    """
+
+    client_id: int
+    num_clients: int
+    job_name: str
+
+
+def dtensor_clients(
+    environ: Mapping[str, str] | None = None,
+) -> Clients | None:
+    """The DTensor multi-client setup of this process, or None when it
+    runs alone (no `DTENSOR_JOBS`, or one job).
+
+    Raises:
+        ValueError: When the variables disagree (a client id outside the
+            jobs, a `DTENSOR_NUM_CLIENTS` other than the jobs' count).
+    """
+    env = os.environ if environ is None else environ
+    jobs = [j for j in env.get("DTENSOR_JOBS", "").split(",") if j]
+    if len(jobs) <= 1:
+        return None
+    raw_id = env.get("DTENSOR_CLIENT_ID", "")
+    try:
+        client_id = int(raw_id)
+    except ValueError:
+        client_id = -1
+    if not 0 <= client_id < len(jobs):
+        raise ValueError(
+            f"DTENSOR_CLIENT_ID must be an integer in 0..{len(jobs) - 1} "
+            f"(one per DTENSOR_JOBS entry). Received: {raw_id!r}"
+        )
+    count = env.get("DTENSOR_NUM_CLIENTS", "")
+    if count and count != str(len(jobs)):
+        raise ValueError(
+            f"DTENSOR_NUM_CLIENTS={count} but DTENSOR_JOBS lists "
+            f"{len(jobs)} clients. Make them agree."
+        )
+    return Clients(client_id, len(jobs),
+                   env.get("DTENSOR_JOB_NAME", "") or "worker")
+
+
 def resolve(
     kwargs: Mapping[str, Any] | None = None,
     command_line: Mapping[str, Any] | None = None,

@@ -16,12 +16,42 @@ from flexflow_keras.runtime.trainer import attach_strategy
 from flexflow_keras.runtime.trainer import detach_strategy
 
 def probe_graph(graph):
-    """`probe.probe_graph` on the attached devices."""
+    """`probe.probe_graph` on the attached devices.
+
+    Not in DTensor's multi-client mode: a probe's collectives on one
+    client's mesh would put its collective keys out of step with the
+    other clients', and only client 0 plans, so the others would not
+    apply what it learned; layers the capability table does not list
+    are refused there, with the reason."""
+    if devices.local_device_names() is not None:
+        unlisted = [op.name for op in graph if probe.needs_probe(op)]
+        if unlisted:
+            raise ValueError(
+                f"Ops {unlisted} are layers the capability table does not "
+                "list (the script's own classes, or Keras layers not "
+                "measured here); across several DTensor clients they "
+                "cannot be probed. Train this model on one host, or "
+                "replace those layers with listed Keras layers."
+            )
+        return graph
     return probe.probe_graph(graph, devices.device_names())
+
+
+def agreed_plan(model, batch_size, make_plan):
+    """In DTensor's multi-client mode: client 0's plan (`make_plan()`)
+    on every client (`clients.agreed_plan`)."""
+    from flexflow_keras.graph import build_graph
+    from flexflow_keras.runtime import clients
+
+    return clients.agreed_plan(
+        make_plan, lambda: build_graph(model, batch_size),
+        len(devices.device_names()), model.get_weights,
+    )
 
 
 __all__ = [
     "StrategyTrainer",
+    "agreed_plan",
     "attach_strategy",
     "detach_strategy",
     "own_step_reasons",

@@ -52,10 +52,20 @@ class MeshCache:
     Args:
         device_names: Full device names; strategy id i is
             `device_names[i]`.
+        local_names: The names among them this process drives; None: all
+            (one process). In DTensor's multi-client mode each client
+            builds the same meshes and feeds only its local devices.
     """
 
-    def __init__(self, device_names: tuple[str, ...]):
+    def __init__(
+        self,
+        device_names: tuple[str, ...],
+        local_names: tuple[str, ...] | None = None,
+    ):
         self._names = tuple(_full_name(n) for n in device_names)
+        self._local = None if local_names is None else frozenset(
+            _full_name(n) for n in local_names
+        )
         self._meshes: dict[tuple, Any] = {}
 
     @property
@@ -76,11 +86,15 @@ class MeshCache:
                     "machine has."
                 )
             n = len(device_ids)
+            names = [self._names[i] for i in device_ids]
+            local = [p for p, name in enumerate(names)
+                     if self._local is None or name in self._local]
             self._meshes[key] = dtensor.Mesh(
                 [f"a{i}" for i in range(len(shape))],
                 np.arange(n).reshape(shape),
-                list(range(n)),
-                [self._names[i] for i in device_ids],
+                local,
+                [names[p] for p in local],
+                global_devices=None if self._local is None else names,
             )
         return self._meshes[key]
 

@@ -101,6 +101,13 @@ class ModelStepExecutor:
         self.plans = plans
         self.mesh = one_mesh(plans)
         assert self.mesh is not None, "plans span several meshes"
+        # Several processes drive the mesh (DTensor multi-client mode):
+        # each feeds its own rows of a batch (`_on_mesh`).
+        self._split_feed = (
+            len(self.mesh.local_devices()) < self.mesh.size
+            and graph.batch_size % self.mesh.dim_size(
+                self.mesh.dim_names[0]) == 0
+        )
         self.dirty = False  # StepVariables newer than the Keras variables
         self._plans_of: dict[int, list[OpPlan]] = {}
         for plan in plans:
@@ -337,13 +344,19 @@ class ModelStepExecutor:
         return function
 
     def _on_mesh(self, data: Any) -> Any:
-        """Each tensor of a batch copied, replicated, onto the mesh."""
+        """Each tensor of a batch onto the mesh: replicated (one local
+        copy per device) in one process; in DTensor's multi-client mode,
+        a tensor of the strategy's batch is split on its batch dim over
+        the mesh's first axis, each client packing only its own devices'
+        rows (`_own_rows`)."""
 
         def copy(value):
             if isinstance(value, np.ndarray):
                 value = tf.convert_to_tensor(value)
             if not isinstance(value, tf.Tensor) or value.dtype == tf.string:
                 return value
+            if self._split_feed and _batch_of(value) == self.graph.batch_size:
+                return _own_rows(value, self.mesh)
             return replicate(value, self.mesh)
 
         return tree.map_structure(copy, data)
@@ -378,6 +391,24 @@ class ModelStepExecutor:
             raise error
         first = (kind, _batch_of(batch)) not in self._ran
         return fall_back(self.model, kind, error, batches, False, first)
+
+
+def _own_rows(value: Any, mesh: Any) -> Any:
+    """`value` split on its batch dim over `mesh`'s first axis, from this
+    process's rows only: each local device gets the rows of its
+    coordinate on that axis (mesh ids are row-major)."""
+    axis = mesh.dim_names[0]
+    parts = mesh.dim_size(axis)
+    per_part = value.shape[0] // parts
+    inner = mesh.size // parts
+    layout = dtensor.Layout(
+        [axis] + [dtensor.UNSHARDED] * (value.shape.rank - 1), mesh
+    )
+    rows = []
+    for device in mesh.local_device_ids():
+        start = (device // inner) * per_part
+        rows.append(value[start:start + per_part])
+    return dtensor.pack(rows, layout)
 
 
 def _batch_only(layout: Any) -> Any:

@@ -62,7 +62,7 @@ def probe_graph(
     Raises:
         capabilities.Unsupported: a layer DTensor cannot run at all.
     """
-    ops = [op for op in graph if _needs_probe(op)]
+    ops = [op for op in graph if needs_probe(op)]
     if not ops or len(device_names) < 2:
         return graph
     cache = _Cache(cache_path or DEFAULT_CACHE_PATH)
@@ -81,7 +81,7 @@ def probe_graph(
     return capabilities.apply_probes(graph, found)
 
 
-def _needs_probe(op: Op) -> bool:
+def needs_probe(op: Op) -> bool:
     """Unlisted, splittable, and its layer's first call (shared layers'
     later calls run the same code)."""
     return (

@@ -23,7 +23,7 @@ from typing import Any
 
 import keras
 
-from flexflow_keras.runtime import layouts, op_rules
+from flexflow_keras.runtime import clients, layouts, op_rules
 from flexflow_keras.runtime.model_step import ModelStepExecutor, one_mesh
 from flexflow_keras.runtime.step import Executor, single_device
 
@@ -58,8 +58,10 @@ def make_executor(model: Any, graph: Any, strategy: Any,
     (`ModelStepExecutor`), else Keras's default step layer by layer over
     the strategy's meshes (`Executor`), or Keras's own step pinned to one
     device when the strategy uses one."""
+    from flexflow_keras import devices
+
     op_rules.enable()  # before anything is traced on a mesh
-    meshes = layouts.MeshCache(device_names)
+    meshes = layouts.MeshCache(device_names, devices.local_device_names())
     plans = layouts.plan_ops(graph, strategy, meshes)
     mesh = one_mesh(plans)
     if single_device(strategy, device_names) is None and mesh is not None:
@@ -181,6 +183,7 @@ class StrategyTrainer:
         if executor is None:
             return super().fit(x, y, batch_size, epochs, verbose, callbacks,
                                **kwargs)
+        verbose, callbacks = clients.host_fit_arguments(verbose, callbacks)
         sync = _SyncCallback(self)
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks.callbacks.insert(0, sync)
@@ -188,10 +191,16 @@ class StrategyTrainer:
         else:
             callbacks = [sync] + list(callbacks or [])
         try:  # `sync` copies Keras values in at each epoch's start
-            return super().fit(x, y, batch_size, epochs, verbose, callbacks,
-                               **kwargs)
-        finally:
-            self._sync_out()
+            try:
+                return super().fit(x, y, batch_size, epochs, verbose,
+                                   callbacks, **kwargs)
+            finally:
+                self._sync_out()
+        except Exception as error:
+            lost = clients.lost_host(error)
+            if lost is None:
+                raise
+            raise lost from error
 
     def _sync_in(self) -> None:
         """Keras variables -> DVariables (no-op without a strategy)."""

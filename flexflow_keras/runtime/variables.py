@@ -36,15 +36,17 @@ def gather(value: Any) -> tf.Tensor:
 def replicate(value: Any, mesh: Any) -> Any:
     """A regular tensor as a replicated DTensor on `mesh` (eager).
 
-    `pack` of one local copy per device when the mesh is all local: it
-    costs 0.03 ms against 0.18 ms for `copy_to_mesh` (a DTensor op of its
-    own), measured on 4 virtual CPU devices; per batch input and per
-    variable, that was a visible part of a small model's step.
+    `pack` of one copy per local device: it costs 0.03 ms against 0.18
+    ms for `copy_to_mesh` (a DTensor op of its own), measured on 4
+    virtual CPU devices; per batch input and per variable, that was a
+    visible part of a small model's step. In DTensor's multi-client mode
+    each client packs its own devices' copies (every client holds the
+    same value: the same script on the same data).
     """
     value = tf.convert_to_tensor(value)
     layout = replicated(mesh, value.shape.rank)
     local = mesh.local_devices()
-    if len(local) == mesh.size:
+    if local:
         return dtensor.pack([value] * len(local), layout)
     return dtensor.copy_to_mesh(value, layout)
 
