@@ -12,7 +12,9 @@ else touches the devices, and a strategy's device ids are global:
 host-major, client k's devices after client k-1's.
 """
 
+import faulthandler
 import warnings
+from typing import Any
 
 from flexflow_keras import settings as settings_lib
 
@@ -70,8 +72,25 @@ def _initialize_clients(kind: str) -> None:
     import keras
     from tensorflow.experimental import dtensor
 
-    dtensor.initialize_accelerator_system(kind)
+    _join_all_clients(dtensor, kind, settings_lib.join_timeout_s())
     keras.utils.set_random_seed(CLIENT_SEED)
+
+
+def _join_all_clients(dtensor: Any, kind: str, timeout_s: float) -> None:
+    """`dtensor.initialize_accelerator_system`, bounded in time.
+
+    DTensor's own registration timeout does not bound client 0's wait
+    (measured): a host that never comes up would leave the others
+    waiting for ever. The wait blocks in C++ holding the GIL, so no
+    Python thread can time it; `faulthandler`'s watchdog is a C thread:
+    after `timeout_s` it prints "Timeout", the stack (ending in this
+    function's name) and exits with status 1.
+    """
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
+    try:
+        dtensor.initialize_accelerator_system(kind)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def client_id() -> int:

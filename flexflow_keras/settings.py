@@ -29,6 +29,15 @@ def _int(value: str) -> int:
     return int(value)
 
 
+def _bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(value)
+
+
 _FLAGS = (
     _Flag("search_budget", ("--search-budget", "--budget"), _int),
     _Flag("search_alpha", ("--search-alpha", "--alpha"), float),
@@ -37,6 +46,7 @@ _FLAGS = (
     _Flag("import_strategy", ("--import-strategy", "--import"), str),
     _Flag("machine", ("--machine",), str),
     _Flag("cpu_devices", ("--cpu-devices",), _int),
+    _Flag("all_hosts_output", ("--all-hosts-output",), _bool),
 )
 _BY_NAME = {name: flag for flag in _FLAGS for name in flag.names}
 
@@ -56,6 +66,9 @@ class Settings:
         machine: Preset name or JSON spec path of the machine to plan
             for; None means the attached devices.
         cpu_devices: Virtual CPU devices to create at import.
+        all_hosts_output: In DTensor's multi-client mode, every host
+            prints progress and runs the callbacks that write files;
+            False (default): host 0 alone does.
     """
 
     search_budget: int = 1000
@@ -65,6 +78,7 @@ class Settings:
     import_strategy: str | None = None
     machine: str | None = None
     cpu_devices: int | None = None
+    all_hosts_output: bool = False
 
     def __post_init__(self):
         if self.search_budget < 0:
@@ -192,6 +206,28 @@ def dtensor_clients(
         )
     return Clients(client_id, len(jobs),
                    env.get("DTENSOR_JOB_NAME", "") or "worker")
+
+
+# How long a DTensor client waits at import for the others to join.
+DEFAULT_JOIN_TIMEOUT_S = 300.0
+
+
+def join_timeout_s(environ: Mapping[str, str] | None = None) -> float:
+    """`FLEXFLOW_KERAS_JOIN_TIMEOUT_S`, or `DEFAULT_JOIN_TIMEOUT_S`."""
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_PREFIX + "JOIN_TIMEOUT_S", "")
+    if raw == "":
+        return DEFAULT_JOIN_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(
+            f"{ENV_PREFIX}JOIN_TIMEOUT_S must be a number of seconds > 0. "
+            f"Received: {raw!r}"
+        )
+    return value
 
 
 def resolve(

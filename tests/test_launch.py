@@ -11,6 +11,7 @@ import tempfile
 import textwrap
 import time
 import unittest
+from unittest import mock
 
 from flexflow_keras import launch, settings
 
@@ -101,6 +102,40 @@ class LaunchTest(unittest.TestCase):
                          "localhost:5000,localhost:5001")
 
 
+class HostOutputTest(unittest.TestCase):
+    """Only client 0 prints and writes files, unless all hosts are asked
+    to (`--all-hosts-output 1`)."""
+
+    def test_other_clients_train_silently(self):
+        import keras
+
+        from flexflow_keras.runtime import clients
+
+        checkpoint = keras.callbacks.ModelCheckpoint("m.keras")
+        logger = keras.callbacks.CSVLogger("log.csv")
+        own = keras.callbacks.LambdaCallback()
+        given = [checkpoint, own, logger]
+        with mock.patch.object(clients.devices, "client_id",
+                               return_value=1):
+            self.assertEqual(clients.host_fit_arguments(2, given),
+                             (0, [own]))
+            self.assertEqual(clients.host_fit_arguments(2, given, True),
+                             (2, given))
+        with mock.patch.object(clients.devices, "client_id",
+                               return_value=0):
+            self.assertEqual(clients.host_fit_arguments("auto", given),
+                             ("auto", given))
+
+    def test_setting_parses(self):
+        self.assertTrue(settings.resolve(
+            command_line={}, environ={
+                "FLEXFLOW_KERAS_ALL_HOSTS_OUTPUT": "yes"}
+        ).all_hosts_output)
+        with self.assertRaisesRegex(ValueError, "Received: 'maybe'"):
+            settings.resolve(command_line={}, environ={
+                "FLEXFLOW_KERAS_ALL_HOSTS_OUTPUT": "maybe"})
+
+
 class ClientsSettingTest(unittest.TestCase):
     def test_reads_the_dtensor_variables(self):
         self.assertIsNone(settings.dtensor_clients({}))
@@ -112,6 +147,14 @@ class ClientsSettingTest(unittest.TestCase):
             "DTENSOR_NUM_CLIENTS": "2", "DTENSOR_JOB_NAME": "trainer",
         })
         self.assertEqual(clients, settings.Clients(1, 2, "trainer"))
+
+    def test_join_timeout(self):
+        self.assertEqual(settings.join_timeout_s({}),
+                         settings.DEFAULT_JOIN_TIMEOUT_S)
+        self.assertEqual(settings.join_timeout_s(
+            {"FLEXFLOW_KERAS_JOIN_TIMEOUT_S": "7.5"}), 7.5)
+        with self.assertRaisesRegex(ValueError, "> 0. Received: '0'"):
+            settings.join_timeout_s({"FLEXFLOW_KERAS_JOIN_TIMEOUT_S": "0"})
 
     def test_rejects_inconsistent_variables(self):
         with self.assertRaisesRegex(ValueError, "0..1.*Received: '2'"):

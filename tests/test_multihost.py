@@ -145,6 +145,24 @@ class MultiHostTest(unittest.TestCase):
         self.assertIn("[launch] host 1 exited with status -9", done.stdout)
         self.assertFalse(os.path.exists(os.path.join(out_dir, "0.npz")))
 
+    def test_a_host_that_never_joins_stops_the_others(self):
+        """Client 0 alone: it gives up after the join timeout instead of
+        waiting for client 1 for ever."""
+        from flexflow_keras import launch
+
+        env = launch.host_environments(2, 2, launch.free_ports(2),
+                                       dict(os.environ))[0]
+        env["FLEXFLOW_KERAS_JOIN_TIMEOUT_S"] = "5"
+        start = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, SCRIPT, "mlp", self.dir, "--budget", "0"],
+            env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )
+        self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+        self.assertLess(time.monotonic() - start, 60)
+        self.assertIn("Timeout (0:00:05)!", done.stderr)
+        self.assertIn("in _join_all_clients", done.stderr)
+
     def test_survivor_names_the_lost_host_without_the_launcher(self):
         """As on a cluster, where no launcher stops the others: client 0
         finds out by itself."""

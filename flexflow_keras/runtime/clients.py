@@ -169,11 +169,14 @@ _WRITERS = ("ModelCheckpoint", "BackupAndRestore", "TensorBoard",
             "CSVLogger")
 
 
-def host_fit_arguments(verbose: Any, callbacks: Any) -> tuple[Any, Any]:
+def host_fit_arguments(
+    verbose: Any, callbacks: Any, all_hosts: bool = False
+) -> tuple[Any, Any]:
     """fit()'s `verbose` and `callbacks` for this client: unchanged on
-    client 0 (or alone); elsewhere no progress bar and no callback that
-    writes files (`_WRITERS`), since client 0 already does both."""
-    if devices.client_id() == 0:
+    client 0 (or alone, or with `all_hosts`: the `all_hosts_output`
+    setting); elsewhere no progress bar and no callback that writes
+    files (`_WRITERS`), since client 0 already does both."""
+    if devices.client_id() == 0 or all_hosts:
         return verbose, callbacks
     if callbacks is not None and not isinstance(callbacks, (list, tuple)):
         return 0, callbacks  # a CallbackList: the user's own, kept

@@ -183,7 +183,11 @@ class StrategyTrainer:
         if executor is None:
             return super().fit(x, y, batch_size, epochs, verbose, callbacks,
                                **kwargs)
-        verbose, callbacks = clients.host_fit_arguments(verbose, callbacks)
+        settings = getattr(self, "_ff_settings", None)
+        verbose, callbacks = clients.host_fit_arguments(
+            verbose, callbacks,
+            settings is not None and settings.all_hosts_output,
+        )
         sync = _SyncCallback(self)
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks.callbacks.insert(0, sync)
