@@ -82,17 +82,22 @@ def _settings(args: argparse.Namespace) -> settings_lib.Settings:
     return settings_lib.resolve(kwargs)
 
 
-def _load_graph(path: str, batch_size: int) -> Any:
-    from flexflow_keras import graph, models
+def _load_model(path: str) -> Any:
+    from flexflow_keras import models
 
     try:
-        model = models.load_model(path, compile=False)
+        return models.load_model(path, compile=False)
     except (OSError, ValueError) as e:
         raise ValueError(
             f"Cannot load the model {path!r}: {e}. Save it with "
             "`model.save('MODEL.keras')`."
         ) from None
-    return graph.build_graph(model, batch_size)
+
+
+def _load_graph(path: str, batch_size: int) -> Any:
+    from flexflow_keras import graph
+
+    return graph.build_graph(_load_model(path), batch_size)
 
 
 def _simulator(graph: Any, machine: Any, slots: int) -> Any:
@@ -108,36 +113,28 @@ def _per_op_ms(sim: Any, strategy: Any) -> dict[str, float]:
 
 
 def cmd_search(args: argparse.Namespace, out: Any) -> int:
-    from flexflow_keras import machine as machine_lib
-    from flexflow_keras import planner, search, strategy_files
+    """Plans as `compile()` does (`planner.make_plan`: the same start
+    points, the same one-mesh rule, the same export)."""
+    from flexflow_keras import planner, report
 
     settings = _settings(args)
-    graph = _load_graph(args.model, args.batch_size)
-    machine = machine_lib.load_machine(settings.machine)
-    sim = _simulator(graph, machine, args.optimizer_slots)
-    result = search.search(
-        graph, sim, machine.num_devices, budget=settings.search_budget,
-        alpha=settings.search_alpha, seed=settings.search_seed,
-        verbose=0 if args.quiet else 1,
+    plan = planner.make_plan(
+        _load_model(args.model), args.batch_size, settings,
+        verbose=0 if args.quiet else 1, slots=args.optimizer_slots,
         print_fn=lambda line: print(line, file=out, flush=True),
-        candidates=planner.search_candidates(graph, machine.num_devices),
     )
-    if args.quiet:
-        print(search.report(result), file=out)
-    table = search.strategy_table(
-        graph, result.strategy, _per_op_ms(sim, result.strategy)
-    )
-    print(table, file=out)
+    if args.quiet and plan.search_result is not None:
+        print(report.search_report(plan.search_result), file=out)
+    print(report.strategy_table(plan.graph, plan.strategy, plan.per_op_ms),
+          file=out)
     if settings.export_strategy:
-        strategy_files.save_strategy(result.strategy,
-                                     settings.export_strategy)
         print(f"Strategy written to {settings.export_strategy}", file=out)
     return 0
 
 
 def cmd_show(args: argparse.Namespace, out: Any) -> int:
     from flexflow_keras import machine as machine_lib
-    from flexflow_keras import search, strategy_files
+    from flexflow_keras import report, strategy_files
     from flexflow_keras.strategy import Strategy
 
     if args.model is None:
@@ -155,14 +152,14 @@ def cmd_show(args: argparse.Namespace, out: Any) -> int:
     strategy = strategy_files.load_strategy(
         args.strategy, graph, machine.num_devices
     )
-    print(search.strategy_table(graph, strategy), file=out)
+    print(report.strategy_table(graph, strategy), file=out)
     return 0
 
 
 def cmd_simulate(args: argparse.Namespace, out: Any) -> int:
     from flexflow_keras import machine as machine_lib
     from flexflow_keras import strategy_files
-    from flexflow_keras.search import strategy_table
+    from flexflow_keras.report import strategy_table
     from flexflow_keras.strategy import Strategy
 
     settings = _settings(args)

@@ -98,7 +98,7 @@ class _PlanningModel(StrategyTrainer):
         plan = self.plan
         if plan is None:
             return
-        from flexflow_keras.search import strategy_table
+        from flexflow_keras.report import strategy_table
 
         print_fn = kwargs.get("print_fn") or print
         print_fn(strategy_table(plan.graph, plan.strategy, plan.per_op_ms))

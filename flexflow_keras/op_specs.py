@@ -51,14 +51,16 @@ from typing import Any
 
 from flexflow_keras import capabilities
 from flexflow_keras.capabilities import LayerCall as _Call
-
-Shape = tuple[int, ...]
-Shapes = tuple[Shape, ...]
-
-Flops = tuple[float, float, bool]  # forward, backward, flops_exact
-
-SOFTMAX_FLOPS = (5, 4)  # per element: forward, backward
-DROPOUT_FLOPS = (2, 1)
+from flexflow_keras.flop_counting import (
+    DROPOUT_FLOPS,
+    SOFTMAX_FLOPS,
+    Flops,
+    Shapes,
+)
+from flexflow_keras.flop_counting import activation_flops as _activation_flops
+from flexflow_keras.flop_counting import call_arg as _call_arg
+from flexflow_keras.flop_counting import spec as _spec
+from flexflow_keras.op_specs_sequence import RNN_TYPES, attention, rnn
 NORM_FLOPS = (6, 7)  # statistics + normalize; scale/center extra
 RMS_NORM_FLOPS = (3, 5)
 
@@ -115,20 +117,6 @@ def describe(
         layer, input_shapes, output_shapes, arguments
     )
     return OpSpec(float(forward), float(backward), exact, kinds, axes)
-
-
-def _activation_flops(fn: Any) -> tuple[int, int]:
-    name = getattr(fn, "__name__", "")
-    if fn is None or name == "linear":
-        return (0, 0)
-    if name in ("softmax", "log_softmax"):
-        return SOFTMAX_FLOPS
-    return (1, 1)
-
-
-def _spec(forward: float, backward: float) -> Flops:
-    """An exact count: (forward, backward, flops_exact)."""
-    return float(forward), float(backward), True
 
 
 def _opaque(call: _Call) -> Flops:
@@ -249,14 +237,6 @@ def _embedding(call: _Call) -> Flops:
     return _spec(0, math.prod(call.outs[0]))
 
 
-def _call_arg(arguments: Any, position: int, name: str) -> Any:
-    if arguments is None:
-        return None
-    if len(arguments.args) > position:
-        return arguments.args[position]
-    return arguments.kwargs.get(name)
-
-
 def _is_layer(op: Any) -> bool:
     from keras.src.layers.layer import Layer
 
@@ -345,9 +325,6 @@ def _matmul(call: _Call) -> Flops:
 
 
 def _rules() -> dict[str, Callable[[_Call], Flops]]:
-    # Imported here: op_specs_sequence builds on this module's helpers.
-    from flexflow_keras.op_specs_sequence import RNN_TYPES, attention, rnn
-
     rules: dict[str, Callable[[_Call], Flops]] = {
         "Dense": _dense,
         "BatchNormalization": _batch_norm,

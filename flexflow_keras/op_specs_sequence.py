@@ -1,22 +1,23 @@
 """FLOP rules of sequence layers: attention and RNNs.
 
 Split from `op_specs` (whose docstring states the counting convention)
-to keep each module one size; `op_specs` registers these rules.
+to keep each module one size; `op_specs` registers these rules. Both
+build on `flop_counting`, so neither imports the other's names.
 """
 
 import math
 from typing import Any
 
-from flexflow_keras.op_specs import (
+from flexflow_keras.capabilities import LayerCall as _Call
+from flexflow_keras.flop_counting import (
     DROPOUT_FLOPS,
     SOFTMAX_FLOPS,
     Flops,
     Shape,
-    _activation_flops,
-    _Call,
-    _call_arg,
-    _spec,
 )
+from flexflow_keras.flop_counting import activation_flops as _activation_flops
+from flexflow_keras.flop_counting import call_arg as _call_arg
+from flexflow_keras.flop_counting import spec as _spec
 
 
 def _full_shape(kt: Any, batch: int) -> Shape:

@@ -10,16 +10,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from flexflow_keras.graph import OpGraph, build_graph
+from flexflow_keras.optimizer_slots import optimizer_slots
 from flexflow_keras.settings import Settings
 from flexflow_keras.strategy import Strategy
-
-# Optimizer state per weight element, for the simulator's memory figures,
-# of the optimizers the runtime does not run (it names its own slots).
-_SLOTS = {
-    "Adamax": 2, "Nadam": 2, "Adadelta": 2, "Ftrl": 2, "Lion": 1,
-    "Lamb": 2, "Muon": 1,
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -45,16 +38,6 @@ class Plan:
     per_op_ms: Mapping[str, float] | None = None
 
 
-def optimizer_slots(optimizer: Any) -> int:
-    """Optimizer slot variables per weight (0 for plain SGD)."""
-    from flexflow_keras.runtime import optimizers
-
-    name = type(optimizer).__name__
-    if name in optimizers.SUPPORTED:
-        return len(optimizers.slot_names(optimizer))
-    return _SLOTS.get(name, 2)
-
-
 def make_plan(
     model: Any,
     batch_size: int,
@@ -63,6 +46,8 @@ def make_plan(
     verbose: int = 1,
     one_mesh_reason: str | None = None,
     probe: Callable[[OpGraph], OpGraph] | None = None,
+    slots: int | None = None,
+    print_fn: Callable[[str], None] | None = None,
 ) -> Plan:
     """Builds the graph and picks its strategy, per the settings.
 
@@ -80,6 +65,10 @@ def make_plan(
     layers `capabilities.TABLE` does not list before anything is
     proposed; it raises `capabilities.Unsupported` for a layer that
     DTensor cannot run at all.
+
+    `slots` overrides the optimizer's state per weight (the command
+    line's `--optimizer-slots`); `print_fn` is where the search's lines
+    go (`print` when None).
     """
     from flexflow_keras import machine as machine_lib
     from flexflow_keras import search, search_space, simulator
@@ -91,7 +80,9 @@ def make_plan(
     machine = machine_lib.load_machine(settings.machine)
     num_devices = machine.num_devices
     sim = simulator.Simulator(
-        graph, machine, optimizer_slots=optimizer_slots(optimizer)
+        graph, machine,
+        optimizer_slots=optimizer_slots(optimizer) if slots is None
+        else slots,
     )
     if one_mesh_reason is None:
         one_mesh_reason = _one_mesh_reason(graph)
@@ -125,6 +116,7 @@ def make_plan(
             alpha=settings.search_alpha,
             seed=settings.search_seed,
             verbose=verbose,
+            print_fn=print_fn,
             one_mesh_parts=parts,
             candidates=search_candidates(graph, num_devices, parts),
         )

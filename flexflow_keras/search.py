@@ -33,10 +33,11 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from flexflow_keras.graph import OpGraph
+from flexflow_keras.report import search_report
 from flexflow_keras.search_space import (
     one_mesh_configs, one_mesh_data_parallel, random_config, tie_shared,
     weight_ties,
@@ -267,7 +268,7 @@ def search(
         one_device_ms=one_device_ms,
     )
     if verbose:
-        out(report(result))
+        out(search_report(result))
     return result
 
 
@@ -346,117 +347,3 @@ def _accept(
 
 def _print(line: str) -> None:
     print(line, file=sys.stdout, flush=True)
-
-
-def report(result: SearchResult) -> str:
-    """FlexFlow's "Best Discovered Strategy" block and the speed-up."""
-    if math.isinf(result.best_ms):
-        summary = (
-            "No strategy found fits in device memory (data parallelism "
-            "included): use more devices, a smaller batch or a larger "
-            "search budget."
-        )
-    elif math.isinf(result.data_parallel_ms):
-        summary = (
-            f"Best simulated step time: {result.best_ms:.3f} ms; data "
-            "parallelism does not fit in device memory."
-        )
-    else:
-        summary = (
-            f"Best simulated step time: {result.best_ms:.3f} ms "
-            f"(data parallelism: {result.data_parallel_ms:.3f} ms); "
-            f"simulated speed-up over data parallelism: "
-            f"{result.speedup:.2f}x"
-        )
-    lines = [
-        "=========== Best Discovered Strategy ==========",
-        result.strategy.to_text().rstrip("\n"),
-        "============= MCMC Search Finished ============",
-        f"{summary} after {result.iterations} iterations in "
-        f"{result.wall_s:.1f} s.",
-    ]
-    if result.one_device_ms < result.best_ms:
-        lines.append(
-            f"On one device the simulator finds {result.one_device_ms:.3f}"
-            " ms: these devices cannot speed the step up (virtual CPU "
-            "devices share the host's cores). The search keeps to "
-            "strategies over several devices; `--cpu-devices 1` trains "
-            "on one."
-        )
-    return "\n".join(lines)
-
-
-def strategy_table(
-    graph: OpGraph,
-    strategy: Strategy,
-    per_op_ms: Mapping[str, float] | None = None,
-    line_length: int = 98,
-) -> str:
-    """A `model.summary()`-style table of each op's parallel config.
-
-    Args:
-        graph: The model's `OpGraph`.
-        strategy: A strategy for it.
-        per_op_ms: Optional op name -> simulated time (ms) column.
-        line_length: Total width of the table.
-
-    Returns:
-        The table as a string, one op a row, in graph order.
-    """
-    headers = ["Op (type)", "Output shape", "Split dims", "Devices"]
-    rows = []
-    for op in graph:
-        config = strategy[op.name]
-        split = _split_text(op, config.dims)
-        row = [
-            f"{op.name} ({op.type})",
-            str(op.output_shape),
-            split,
-            _ids_text(config.device_ids),
-        ]
-        if per_op_ms is not None:
-            ms = per_op_ms.get(op.name)
-            row.append("" if ms is None else f"{ms:.3f}")
-        rows.append(row)
-    if per_op_ms is not None:
-        headers.append("Time (ms)")
-    return _format_table(headers, rows, line_length)
-
-
-def _split_text(op: Any, dims: tuple[int, ...]) -> str:
-    parts = [
-        f"{op.partitionable.get(dim, 'dim ' + str(dim))}={degree}"
-        for dim, degree in enumerate(dims)
-        if degree > 1
-    ]
-    return ", ".join(parts) or "none"
-
-
-def _ids_text(ids: tuple[int, ...]) -> str:
-    if len(ids) > 2 and ids == tuple(range(ids[0], ids[0] + len(ids))):
-        return f"{ids[0]}-{ids[-1]}"
-    return ",".join(map(str, ids))
-
-
-def _format_table(
-    headers: list[str], rows: list[list[str]], line_length: int
-) -> str:
-    widths = [len(h) for h in headers]
-    for row in rows:
-        widths = [max(w, len(c)) for w, c in zip(widths, row)]
-    total = sum(widths) + 2 * (len(widths) - 1)
-    if total > line_length:
-        # Shrink the first (name) column; names are cut with "…".
-        widths[0] = max(12, widths[0] - (total - line_length))
-
-    def fit(cell: str, width: int) -> str:
-        return cell if len(cell) <= width else cell[: width - 1] + "…"
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(
-            fit(c, w).ljust(w) for c, w in zip(cells, widths)
-        ).rstrip()
-
-    rule = "─" * min(line_length, sum(widths) + 2 * (len(widths) - 1))
-    body = [line(r) for r in rows]
-    return "\n".join([rule, line(headers), rule, *body, rule])

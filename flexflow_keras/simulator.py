@@ -30,7 +30,9 @@ from flexflow_keras.schedule import Compiled, Schedule, no_gc
 from flexflow_keras.search_space import (
     is_one_mesh, mesh_key, runs_on_the_mesh,
 )
-from flexflow_keras.strategy import ParallelConfig, Strategy
+from flexflow_keras.strategy import (
+    ParallelConfig, Strategy, validate_config,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,19 +305,7 @@ class Simulator:
         return {op.name: strategy[op.name] for op in self._ops}
 
     def _check_config(self, op, config: ParallelConfig) -> None:
-        rank = max(op.rank, 1)
-        if len(config.dims) != rank:
-            raise ValueError(
-                f"Op '{op.name}' has a rank-{op.rank} output, so `dims` "
-                f"needs {rank} entries. Received: dims={config.dims}"
-            )
-        ids = config.device_ids
-        if min(ids) < 0 or max(ids) >= len(self.machine.devices):
-            raise ValueError(
-                f"Op '{op.name}' is placed on devices the machine lacks "
-                f"(it has {self.machine.num_devices}). Received: "
-                f"device_ids={config.device_ids}"
-            )
+        validate_config(op, config, self.machine.num_devices)
 
 
 # Tasks the piece cache holds at most: a few hundred bytes each (labels,

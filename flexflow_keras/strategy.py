@@ -7,7 +7,7 @@ first; part i (row-major over dims) lives on `device_ids[i]`, so
 
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 from flexflow_keras.graph import Op, OpGraph
 
@@ -116,6 +116,18 @@ def validate_config(
         )
 
 
+def check_known_ops(
+    names: Iterable[str], graph: OpGraph, where: str = "The strategy"
+) -> None:
+    """Raises a ValueError when `names` holds ops `graph` lacks."""
+    unknown = [name for name in names if name not in graph]
+    if unknown:
+        raise ValueError(
+            f"{where} names ops the model lacks: {unknown}. Is it for "
+            f"another model? Model ops: {[op.name for op in graph]}"
+        )
+
+
 class Strategy(Mapping):
     """Op name -> ParallelConfig, for every op of one graph. Read-only.
 
@@ -153,12 +165,7 @@ class Strategy(Mapping):
             graph: The model's `OpGraph`.
             num_devices: Devices of the machine (ids 0..n-1).
         """
-        unknown = [name for name in self._configs if name not in graph]
-        if unknown:
-            raise ValueError(
-                f"The strategy names ops the model lacks: {unknown}. Is it "
-                f"for another model? Model ops: {[op.name for op in graph]}"
-            )
+        check_known_ops(self._configs, graph)
         missing = [op.name for op in graph if op.name not in self._configs]
         if missing:
             raise ValueError(

@@ -31,6 +31,7 @@ from flexflow_keras.graph import OpGraph
 from flexflow_keras.strategy import (
     ParallelConfig,
     Strategy,
+    check_known_ops,
     data_parallel_config,
     validate_config,
 )
@@ -269,12 +270,7 @@ def complete(
             f"{where} holds no ops. Received an empty strategy; export one "
             "with `save_strategy` or `python -m flexflow_keras search`."
         )
-    unknown = [name for name in configs if name not in graph]
-    if unknown:
-        raise ValueError(
-            f"{where} names ops this model lacks: {unknown}. Is it for "
-            f"another model? Model ops: {[op.name for op in graph]}"
-        )
+    check_known_ops(configs, graph, where)
     for op in graph:
         config = configs.get(op.name)
         if config is not None:

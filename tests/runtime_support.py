@@ -1,7 +1,7 @@
 """Helpers of the runtime tests: train a model both ways and compare.
 
-No tests here; `test_runtime_equivalence.py` and `test_runtime_keras.py`
-import it.
+Not a test module (it holds no tests): `test_runtime_equivalence.py` and
+`test_runtime_keras.py` import it.
 """
 
 import random

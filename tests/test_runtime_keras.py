@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import test_runtime_support as support
+import runtime_support as support
 from flexflow_keras import runtime
 
 try:

@@ -10,6 +10,7 @@ import unittest
 
 import keras
 
+from flexflow_keras import report as report_lib
 from flexflow_keras import search as search_lib
 from flexflow_keras.graph import build_graph
 from flexflow_keras.search_space import valid_configs
@@ -255,7 +256,7 @@ class StrategyTableTest(unittest.TestCase):
         strategy = Strategy.data_parallel(graph, 4).replace(
             "dense_1", ParallelConfig((1, 2), (3, 1))
         )
-        table = search_lib.strategy_table(
+        table = report_lib.strategy_table(
             graph, strategy, {"dense_0": 1.5, "dense_1": 0.25}
         )
         lines = table.splitlines()
@@ -266,7 +267,7 @@ class StrategyTableTest(unittest.TestCase):
         self.assertRegex(lines[4], r"dense_1 \(Dense\)\s+\(8, 2\)\s+"
                          r"parameter=2\s+3,1\s+0.250")
         self.assertTrue(all(len(line) <= 98 for line in lines))
-        self.assertNotIn("Time", search_lib.strategy_table(graph, strategy))
+        self.assertNotIn("Time", report_lib.strategy_table(graph, strategy))
 
 
 class RealSimulatorTest(unittest.TestCase):
@@ -370,16 +371,16 @@ class ReportTest(unittest.TestCase):
                                        iterations=10, wall_s=0.5)
 
     def test_speedup_line(self):
-        text = search_lib.report(self.make(2.0, 5.0))
+        text = report_lib.search_report(self.make(2.0, 5.0))
         self.assertIn("[d] num_dims(2) dims[2,1] device_ids[0,1]", text)
         self.assertIn("speed-up over data parallelism: 2.50x after 10 "
                       "iterations", text)
 
     def test_data_parallel_out_of_memory(self):
-        text = search_lib.report(self.make(2.0, math.inf))
+        text = report_lib.search_report(self.make(2.0, math.inf))
         self.assertIn("data parallelism does not fit in device memory",
                       text)
 
     def test_nothing_fits(self):
-        text = search_lib.report(self.make(math.inf, math.inf))
+        text = report_lib.search_report(self.make(math.inf, math.inf))
         self.assertIn("No strategy found fits in device memory", text)

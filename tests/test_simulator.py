@@ -7,6 +7,7 @@ import os
 import random
 import tempfile
 import unittest
+from unittest import mock
 
 import model_zoo
 import pytest
@@ -336,8 +337,20 @@ class PythonSchedulerDeltaTest(DeltaTest):
         with python_scheduler():
             return super().run(result)
 
-    def test_fallback_is_in_use(self):
-        self.assertIsNone(schedule._listsched)
+    def test_simulations_run_the_python_loop(self):
+        """The tests of this class exercise the Python loop: a
+        simulation here goes through `_python_schedule`."""
+        calls = []
+        original = schedule._python_schedule
+
+        def counting(*args):
+            calls.append(1)
+            return original(*args)
+
+        graph, m = chain(), machine()
+        with mock.patch.object(schedule, "_python_schedule", counting):
+            Simulator(graph, m).simulate(Strategy.data_parallel(graph, 2))
+        self.assertGreater(len(calls), 0)
 
 
 @unittest.skipIf(

@@ -134,7 +134,7 @@ class StrategyFilesTest(unittest.TestCase):
         save_strategy(self.strategy, self.path("s.pb"))
         other = mlp_graph(prefix="fc")
         with self.assertRaisesRegex(
-            ValueError, "names ops this model lacks.*another model"
+            ValueError, "names ops the model lacks.*another model"
         ):
             load_strategy(self.path("s.pb"), other, 4)
 

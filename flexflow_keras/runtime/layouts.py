@@ -27,6 +27,7 @@ from tensorflow.experimental import dtensor
 from flexflow_keras import partition
 from flexflow_keras.graph import Op, OpGraph
 from flexflow_keras.search_space import is_one_mesh, runs_on_the_mesh
+from flexflow_keras.strategy import Strategy
 
 UNSHARDED = dtensor.UNSHARDED
 
@@ -187,32 +188,11 @@ def plan_ops(
     plans: list[OpPlan] = []
     by_name: dict[str, OpPlan] = {}
     home = _the_mesh(strategy, meshes)
+    # The one validation (`Strategy.validate`): every op has a config
+    # it can take, on devices that exist.
+    Strategy(dict(strategy)).validate(graph, meshes.num_devices)
     for op in graph:
-        if op.name not in strategy:
-            raise ValueError(
-                f"The strategy has no config for op '{op.name}'. Every op "
-                "needs one; use `Strategy.data_parallel(graph, n)` as a "
-                "start."
-            )
         config = strategy[op.name]
-        if len(config.dims) != max(op.rank, 1):
-            raise ValueError(
-                f"Op '{op.name}' has a rank-{op.rank} output, so `dims` "
-                f"needs {op.rank} entries. Received: dims={config.dims}."
-            )
-        for dim, degree in enumerate(config.dims):
-            if degree > 1 and dim not in op.partitionable:
-                raise ValueError(
-                    f"Op '{op.name}' ({op.type}) cannot split output dim "
-                    f"{dim}. Received: dims={config.dims}. Splittable: "
-                    f"{dict(op.partitionable)}."
-                )
-            if degree > 1 and op.output_shape[dim] % degree:
-                raise ValueError(
-                    f"Op '{op.name}': dim {dim} of size "
-                    f"{op.output_shape[dim]} does not split into {degree} "
-                    f"equal parts. Received: dims={config.dims}."
-                )
         if home is not None and runs_on_the_mesh(config):
             mesh = home  # replicated on the mesh: axis_of_dim gives none
         else:

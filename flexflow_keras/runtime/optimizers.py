@@ -19,9 +19,8 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from flexflow_keras.optimizer_slots import SUPPORTED, slot_names
 from flexflow_keras.runtime.variables import gather, to_layout
-
-SUPPORTED = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad")
 
 
 def check_supported(optimizer: Any) -> None:
@@ -47,23 +46,6 @@ def check_supported(optimizer: Any) -> None:
             f"flexflow_keras does not run optimizer options {sorted(used)} "
             f"under a strategy yet. Received: {used}. Remove them."
         )
-
-
-def slot_names(optimizer: Any) -> tuple[str, ...]:
-    """Slot variables per weight of a supported optimizer, by name."""
-    name = type(optimizer).__name__
-    if name == "SGD":
-        return ("momentum",) if optimizer.momentum != 0 else ()
-    if name in ("Adam", "AdamW"):
-        return ("m", "v", "v_hat") if optimizer.amsgrad else ("m", "v")
-    if name == "RMSprop":
-        slots = ["velocity"]
-        if optimizer.momentum > 0:
-            slots.append("momentum")
-        if optimizer.centered:
-            slots.append("average_grad")
-        return tuple(slots)
-    return ("accumulator",)  # Adagrad
 
 
 # Our slot name -> the Keras optimizer's list of that slot, per variable.

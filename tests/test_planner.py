@@ -1,0 +1,118 @@
+"""The compile-time pipeline (`planner.make_plan`): import, data
+parallelism, search, export, the one-mesh rule and optimizer slots."""
+
+import os
+import tempfile
+import unittest
+
+import keras
+
+import model_zoo
+from flexflow_keras import planner
+from flexflow_keras.optimizer_slots import optimizer_slots
+from flexflow_keras.search_space import is_one_mesh
+from flexflow_keras.settings import Settings
+from flexflow_keras.strategy import ParallelConfig, Strategy
+from flexflow_keras.strategy_files import load_strategy, save_strategy
+
+
+def _mlp():
+    keras.backend.clear_session()
+    return model_zoo.mlp()
+
+
+class MakePlanTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp()
+
+    def test_budget_zero_keeps_data_parallelism(self):
+        model = _mlp()
+        plan = planner.make_plan(
+            model, 64, Settings(search_budget=0, machine="v100x4"),
+            verbose=0,
+        )
+        self.assertEqual(plan.source, "data_parallel")
+        self.assertIsNone(plan.search_result)
+        self.assertEqual(plan.strategy,
+                         Strategy.data_parallel(plan.graph, 4))
+        self.assertGreater(plan.step_ms, 0)
+        self.assertEqual(set(plan.per_op_ms), {op.name for op in plan.graph})
+
+    def test_search_exports_what_it_found(self):
+        model = _mlp()
+        path = os.path.join(self.dir, "s.txt")
+        lines = []
+        plan = planner.make_plan(
+            model, 64, Settings(search_budget=200, search_seed=0,
+                                machine="v100x4", export_strategy=path),
+            verbose=1, print_fn=lines.append,
+        )
+        self.assertEqual(plan.source, "search")
+        self.assertEqual(plan.search_result.iterations, 200)
+        self.assertEqual(load_strategy(path, plan.graph, 4), plan.strategy)
+        self.assertTrue(any("Best Discovered Strategy" in line
+                            for line in lines))
+        self.assertLessEqual(plan.step_ms,
+                             plan.search_result.data_parallel_ms)
+
+    def test_imported_strategy_skips_the_search(self):
+        model = _mlp()
+        graph = planner.make_plan(
+            model, 64, Settings(search_budget=0, machine="v100x4"),
+            verbose=0,
+        ).graph
+        strategy = Strategy.data_parallel(graph, 4).replace(
+            graph.ops[0].name, ParallelConfig((1, 4), (3, 2, 1, 0))
+        )
+        path = os.path.join(self.dir, "in.pb")
+        save_strategy(strategy, path)
+        plan = planner.make_plan(
+            model, 64, Settings(machine="v100x4", import_strategy=path),
+            verbose=0,
+        )
+        self.assertEqual(plan.source, "import")
+        self.assertEqual(plan.strategy, strategy)
+
+    def test_shared_layer_keeps_one_mesh(self):
+        keras.backend.clear_session()
+        model = model_zoo.shared_layer()
+        plan = planner.make_plan(
+            model, 16, Settings(search_budget=300, search_seed=1,
+                                machine="v100x4"),
+            verbose=0,
+        )
+        self.assertTrue(is_one_mesh(plan.strategy))
+        self.assertEqual(plan.strategy["shared"], plan.strategy["shared#1"])
+
+    def test_slots_override_prices_optimizer_memory(self):
+        model = _mlp()
+        settings = Settings(search_budget=0, machine="v100x4")
+        sgd = planner.make_plan(model, 64, settings, verbose=0, slots=0)
+        adam = planner.make_plan(model, 64, settings, verbose=0, slots=2)
+        self.assertEqual(sgd.strategy, adam.strategy)
+        self.assertEqual(
+            optimizer_slots(keras.optimizers.Adam()), 2
+        )
+        self.assertEqual(optimizer_slots(keras.optimizers.SGD()), 0)
+        self.assertEqual(
+            optimizer_slots(keras.optimizers.SGD(momentum=0.9)), 1
+        )
+        self.assertEqual(
+            optimizer_slots(keras.optimizers.Adam(amsgrad=True)), 3
+        )
+        # Optimizer state counts in the simulated step (its updates).
+        self.assertGreater(adam.step_ms, sgd.step_ms)
+
+    def test_search_candidates_are_the_expert_strategy(self):
+        model = _mlp()
+        graph = planner.make_plan(
+            model, 64, Settings(search_budget=0, machine="v100x4"),
+            verbose=0,
+        ).graph
+        (expert,) = planner.search_candidates(graph, 4)
+        expert.validate(graph, 4)
+        self.assertEqual(planner.search_candidates(graph, 4, 4), ())
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,110 @@
+"""The task graph's pieces: what one op, one edge and one weight family
+add to a step (tasks, resources, dependencies, bytes and memory)."""
+
+import unittest
+
+from flexflow_keras import taskgraph
+from flexflow_keras.cost import CostModel
+from flexflow_keras.machine import load_machine
+from flexflow_keras.strategy import ParallelConfig
+from test_simulator import chain, dense_graph
+
+FLOAT = 4
+
+
+class OpPieceTest(unittest.TestCase):
+    def test_a_forward_and_a_backward_per_part(self):
+        graph, m = chain(batch=8, features=100), load_machine("v100x4")
+        op = graph.ops[0]
+        config = ParallelConfig((4, 1), (0, 1, 2, 3))
+        piece = taskgraph.op_piece(op, 0, config, CostModel(m), m)
+        kinds = [label[0] for label in piece.labels]
+        self.assertEqual(kinds, [taskgraph.FWD] * 4 + [taskgraph.BWD] * 4)
+        self.assertEqual(piece.resources[:4], ((0,), (1,), (2,), (3,)))
+        # Each backward follows its own part's forward.
+        self.assertEqual(sorted(piece.deps),
+                         [(taskgraph.SELF, i, taskgraph.SELF, 4 + i)
+                          for i in range(4)])
+        # Each part keeps its share of the output for backward.
+        self.assertEqual(piece.memory_bytes,
+                         tuple((d, 8 * 100 * FLOAT / 4) for d in range(4)))
+
+
+class EdgePieceTest(unittest.TestCase):
+    def setUp(self):
+        self.graph, self.m = chain(batch=8, features=100), load_machine(
+            "v100x4")
+        self.a, self.b = self.graph.ops
+
+    def piece(self, producer, consumer):
+        return taskgraph.edge_piece(self.m, self.a, 0, producer, self.b, 1,
+                                    consumer, 0)
+
+    def test_same_split_same_devices_moves_nothing(self):
+        config = ParallelConfig((4, 1), (0, 1, 2, 3))
+        piece = self.piece(config, config)
+        self.assertEqual(piece.durations_ms, ())
+        self.assertEqual(piece.comm_bytes, 0.0)
+        # Plain dependencies: forward a -> b, backward b -> a, per part.
+        self.assertEqual(len(piece.deps), 8)
+
+    def test_other_devices_move_each_part_both_ways(self):
+        piece = self.piece(ParallelConfig((2, 1), (0, 1)),
+                           ParallelConfig((2, 1), (2, 3)))
+        kinds = sorted(label[0] for label in piece.labels)
+        self.assertEqual(kinds, [taskgraph.XFER_FWD] * 2
+                         + [taskgraph.XFER_BWD] * 2)
+        half = 4 * 100 * FLOAT
+        self.assertEqual(piece.comm_bytes, 2 * 2 * half)
+        self.assertEqual(sorted(piece.memory_bytes),
+                         [(2, half), (3, half)])
+        self.assertTrue(all(ms > 0 for ms in piece.durations_ms))
+
+    def test_regrouping_moves_only_the_intersections(self):
+        # a split in 2 on 0,1; b split in 4 on 0..3: b's parts 0 and 2
+        # find their rows on their own device, 1 and 3 fetch them.
+        piece = self.piece(ParallelConfig((2, 1), (0, 1)),
+                           ParallelConfig((4, 1), (0, 2, 1, 3)))
+        quarter = 2 * 100 * FLOAT
+        self.assertEqual(piece.comm_bytes, 2 * 2 * quarter)
+
+
+class FamilyPieceTest(unittest.TestCase):
+    def test_replicated_weights_all_reduce_then_update_everywhere(self):
+        graph, m = dense_graph(batch=8, features=100, units=100), (
+            load_machine("v100x4"))
+        op = graph.ops[0]
+        config = ParallelConfig((4, 1), (0, 1, 2, 3))
+        piece = taskgraph.family_piece(m, CostModel(m), [(op, 0, config)], 2)
+        kinds = [label[0] for label in piece.labels]
+        self.assertEqual(kinds.count(taskgraph.SYNC), 1)
+        self.assertEqual(kinds.count(taskgraph.UPDATE), 4)
+        weight_bytes = (100 * 100 + 100) * FLOAT
+        self.assertEqual(piece.comm_bytes, 2 * 3 * weight_bytes)
+        # Weights, gradients and two optimizer slots on every device.
+        self.assertEqual(sorted(piece.memory_bytes),
+                         [(d, weight_bytes * 4) for d in range(4)])
+
+    def test_split_weights_need_no_sync(self):
+        graph, m = dense_graph(batch=8, features=100, units=100), (
+            load_machine("v100x4"))
+        op = graph.ops[0]
+        config = ParallelConfig((1, 4), (0, 1, 2, 3))
+        piece = taskgraph.family_piece(m, CostModel(m), [(op, 0, config)], 0)
+        kinds = [label[0] for label in piece.labels]
+        self.assertNotIn(taskgraph.SYNC, kinds)
+        self.assertEqual(kinds.count(taskgraph.UPDATE), 4)
+        self.assertEqual(piece.comm_bytes, 0.0)
+
+    def test_ring_allreduce_time_grows_with_bytes_and_devices(self):
+        m = load_machine("p100x16")
+        small, _ = taskgraph.ring_allreduce_ms(m, (0, 1), 1e6)
+        large, _ = taskgraph.ring_allreduce_ms(m, (0, 1), 1e8)
+        across, links = taskgraph.ring_allreduce_ms(m, (0, 4), 1e8)
+        self.assertLess(small, large)
+        self.assertLess(large, across)  # 0 and 4 sit on different nodes
+        self.assertTrue(links)
+
+
+if __name__ == "__main__":
+    unittest.main()
