@@ -21,16 +21,19 @@ def _mlp():
     return model_zoo.mlp()
 
 
+def _data_parallel_plan(model, **kwargs):
+    return planner.make_plan(
+        model, 64, Settings(search_budget=0, machine="v100x4"), verbose=0,
+        **kwargs,
+    )
+
+
 class MakePlanTest(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.mkdtemp()
 
     def test_budget_zero_keeps_data_parallelism(self):
-        model = _mlp()
-        plan = planner.make_plan(
-            model, 64, Settings(search_budget=0, machine="v100x4"),
-            verbose=0,
-        )
+        plan = _data_parallel_plan(_mlp())
         self.assertEqual(plan.source, "data_parallel")
         self.assertIsNone(plan.search_result)
         self.assertEqual(plan.strategy,
@@ -57,10 +60,7 @@ class MakePlanTest(unittest.TestCase):
 
     def test_imported_strategy_skips_the_search(self):
         model = _mlp()
-        graph = planner.make_plan(
-            model, 64, Settings(search_budget=0, machine="v100x4"),
-            verbose=0,
-        ).graph
+        graph = _data_parallel_plan(model).graph
         strategy = Strategy.data_parallel(graph, 4).replace(
             graph.ops[0].name, ParallelConfig((1, 4), (3, 2, 1, 0))
         )
@@ -86,9 +86,8 @@ class MakePlanTest(unittest.TestCase):
 
     def test_slots_override_prices_optimizer_memory(self):
         model = _mlp()
-        settings = Settings(search_budget=0, machine="v100x4")
-        sgd = planner.make_plan(model, 64, settings, verbose=0, slots=0)
-        adam = planner.make_plan(model, 64, settings, verbose=0, slots=2)
+        sgd = _data_parallel_plan(model, slots=0)
+        adam = _data_parallel_plan(model, slots=2)
         self.assertEqual(sgd.strategy, adam.strategy)
         self.assertEqual(
             optimizer_slots(keras.optimizers.Adam()), 2
@@ -104,11 +103,7 @@ class MakePlanTest(unittest.TestCase):
         self.assertGreater(adam.step_ms, sgd.step_ms)
 
     def test_search_candidates_are_the_expert_strategy(self):
-        model = _mlp()
-        graph = planner.make_plan(
-            model, 64, Settings(search_budget=0, machine="v100x4"),
-            verbose=0,
-        ).graph
+        graph = _data_parallel_plan(_mlp()).graph
         (expert,) = planner.search_candidates(graph, 4)
         expert.validate(graph, 4)
         self.assertEqual(planner.search_candidates(graph, 4, 4), ())

@@ -70,13 +70,18 @@ class EdgePieceTest(unittest.TestCase):
 
 
 class FamilyPieceTest(unittest.TestCase):
+    def family(self, dims, slots):
+        """(task kinds, piece) of a 100x100 Dense's weights on 4 devices."""
+        graph = dense_graph(batch=8, features=100, units=100)
+        m = load_machine("v100x4")
+        config = ParallelConfig(dims, (0, 1, 2, 3))
+        piece = taskgraph.family_piece(
+            m, CostModel(m), [(graph.ops[0], 0, config)], slots
+        )
+        return [label[0] for label in piece.labels], piece
+
     def test_replicated_weights_all_reduce_then_update_everywhere(self):
-        graph, m = dense_graph(batch=8, features=100, units=100), (
-            load_machine("v100x4"))
-        op = graph.ops[0]
-        config = ParallelConfig((4, 1), (0, 1, 2, 3))
-        piece = taskgraph.family_piece(m, CostModel(m), [(op, 0, config)], 2)
-        kinds = [label[0] for label in piece.labels]
+        kinds, piece = self.family((4, 1), slots=2)
         self.assertEqual(kinds.count(taskgraph.SYNC), 1)
         self.assertEqual(kinds.count(taskgraph.UPDATE), 4)
         weight_bytes = (100 * 100 + 100) * FLOAT
@@ -86,12 +91,7 @@ class FamilyPieceTest(unittest.TestCase):
                          [(d, weight_bytes * 4) for d in range(4)])
 
     def test_split_weights_need_no_sync(self):
-        graph, m = dense_graph(batch=8, features=100, units=100), (
-            load_machine("v100x4"))
-        op = graph.ops[0]
-        config = ParallelConfig((1, 4), (0, 1, 2, 3))
-        piece = taskgraph.family_piece(m, CostModel(m), [(op, 0, config)], 0)
-        kinds = [label[0] for label in piece.labels]
+        kinds, piece = self.family((1, 4), slots=0)
         self.assertNotIn(taskgraph.SYNC, kinds)
         self.assertEqual(kinds.count(taskgraph.UPDATE), 4)
         self.assertEqual(piece.comm_bytes, 0.0)
