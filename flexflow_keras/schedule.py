@@ -61,7 +61,7 @@ def no_gc() -> Iterator[None]:
 
 def _rows(piece: Piece, num_devices: int) -> tuple[np.ndarray, np.ndarray]:
     """(busy ms, memory bytes) per device of one piece, memoized on it."""
-    rows = piece.__dict__.get("_rows")
+    rows = piece.derived.get("rows")
     if rows is None:
         busy = np.zeros(num_devices)
         memory = np.zeros(num_devices)
@@ -70,7 +70,7 @@ def _rows(piece: Piece, num_devices: int) -> tuple[np.ndarray, np.ndarray]:
         for device, num_bytes in piece.memory_bytes:
             memory[device] += num_bytes
         rows = (busy, memory)
-        object.__setattr__(piece, "_rows", rows)
+        piece.derived["rows"] = rows
     return rows
 
 
@@ -78,7 +78,7 @@ def _res1_npred(piece: Piece) -> tuple[list[int], list[int]]:
     """Per task of a piece: its one resource (-1: several; a rider
     leader: `-2 - riders`) and initial predecessor count (riders: RIDER,
     never woken). Memoized on the piece."""
-    found = piece.__dict__.get("_res1_npred")
+    found = piece.derived.get("res1_npred")
     if found is None:
         res1 = [r[0] if len(r) == 1 else -1 for r in piece.resources]
         npred = [0] * len(res1)
@@ -86,7 +86,7 @@ def _res1_npred(piece: Piece) -> tuple[list[int], list[int]]:
             res1[lead] = -2 - count
             npred[lead + 1:lead + 1 + count] = [RIDER] * count
         found = (res1, npred)
-        object.__setattr__(piece, "_res1_npred", found)
+        piece.derived["res1_npred"] = found
     return found
 
 

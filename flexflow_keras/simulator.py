@@ -21,6 +21,7 @@ same arithmetic: the result is bit for bit the full simulation's.
 import collections
 import dataclasses
 import math
+from typing import NamedTuple
 
 from flexflow_keras import taskgraph
 from flexflow_keras.cost import CostModel
@@ -61,6 +62,15 @@ class SimResult:
     feasible: bool
 
 
+class _Simulated(NamedTuple):
+    """One simulated strategy: what a delta simulation starts from."""
+
+    configs: dict[str, ParallelConfig]  # op name -> config
+    pieces: list[taskgraph.Piece]  # one per task-graph slot
+    compiled: Compiled  # the pieces as flat task arrays
+    schedule: Schedule  # its list schedule (for reruns)
+
+
 class Simulator:
     """Simulates strategies of one graph on one machine.
 
@@ -95,25 +105,22 @@ class Simulator:
         self._families = taskgraph.families(graph)
         self._layout = _Layout(graph, self._index, self._families)
         self._cache = _PieceCache(PIECE_CACHE_TASKS)
-        self._state: tuple[dict, list, Compiled, Schedule] | None = None
-        self._proposal: tuple[dict, list, Compiled, Schedule] | None = None
+        self._state: _Simulated | None = None  # started or accepted
+        self._proposal: _Simulated | None = None  # the last propose()
 
     # Full simulation -------------------------------------------------
 
     def simulate(self, strategy: Strategy) -> SimResult:
         """Full simulation of `strategy`; keeps no state."""
         with no_gc():
-            configs, _, compiled, schedule = self._full(strategy)
-            return self._result(compiled, schedule, configs)
+            return self._result(self._full(strategy))
 
     def start(self, strategy: Strategy) -> SimResult:
         """Full simulation that becomes the base of delta simulations."""
         with no_gc():
             self._state = self._full(strategy)
             self._proposal = None
-            return self._result(
-                self._state[2], self._state[3], self._state[0]
-            )
+            return self._result(self._state)
 
     # Delta simulation ------------------------------------------------
 
@@ -130,24 +137,25 @@ class Simulator:
                 f"Received: changes to {sorted(changes)} with no started "
                 "strategy."
             )
-        configs, pieces, compiled, schedule = self._state
+        state = self._state
         for op_name, config in changes.items():
             self._check_config(self.graph.op(op_name), config)
-        new_configs = dict(configs)
+        new_configs = dict(state.configs)
         new_configs.update(changes)
         touched = self._layout.touched
         changed = tuple(sorted({k for n in changes for k in touched[n]}))
         with no_gc():
-            new_pieces = list(pieces)
+            new_pieces = list(state.pieces)
             for k in changed:
                 new_pieces[k] = self._piece(
                     self._layout.slots[k], new_configs
                 )
-            new_compiled = compiled.replace(new_pieces, changed)
-            new_schedule = schedule.rerun(new_compiled)
-            self._proposal = (new_configs, new_pieces, new_compiled,
-                              new_schedule)
-            return self._result(new_compiled, new_schedule, new_configs)
+            new_compiled = state.compiled.replace(new_pieces, changed)
+            self._proposal = _Simulated(
+                new_configs, new_pieces, new_compiled,
+                state.schedule.rerun(new_compiled),
+            )
+            return self._result(self._proposal)
 
     def accept(self) -> None:
         """Makes the last proposal the current strategy."""
@@ -157,21 +165,21 @@ class Simulator:
                 "Received: accept() after start() or accept()."
             )
         self._state, self._proposal = self._proposal, None
-        compiled = self._state[2]
+        compiled = self._state.compiled
         if compiled.num_ids > 2 * compiled.num_live + 256:
             # Killed ids pile up over accepts; lay the graph out afresh.
             with no_gc():
-                self._state = self._full(Strategy(self._state[0]))
+                self._state = self._full(Strategy(self._state.configs))
 
     @property
     def strategy(self) -> Strategy | None:
         """The current (started or accepted) strategy."""
-        return None if self._state is None else Strategy(self._state[0])
+        return None if self._state is None else Strategy(self._state.configs)
 
     @property
     def num_tasks(self) -> int:
         """Tasks in the current strategy's task graph (0 before start)."""
-        return 0 if self._state is None else self._state[2].num_tasks
+        return 0 if self._state is None else self._state.compiled.num_tasks
 
     def timeline(self, strategy: Strategy | None = None) -> dict:
         """Chrome trace-event JSON of a strategy (default: current)."""
@@ -183,21 +191,21 @@ class Simulator:
                     "No strategy to trace. Received: strategy=None "
                     "before start()."
                 )
-            strategy = Strategy(self._state[0])
+            strategy = Strategy(self._state.configs)
         with no_gc():
-            _, _, compiled, schedule = self._full(strategy)
-        return trace.chrome_trace(self.machine, compiled, schedule)
+            full = self._full(strategy)
+        return trace.chrome_trace(self.machine, full.compiled, full.schedule)
 
     # Internals -------------------------------------------------------
 
-    def _full(self, strategy: Strategy) -> tuple:
+    def _full(self, strategy: Strategy) -> "_Simulated":
         configs = self._check(strategy)
         pieces = [self._piece(k, configs) for k in self._layout.slots]
         compiled = Compiled.build(
             pieces, self._layout.op_slots, self.machine.num_devices
         )
         schedule = Schedule.run(compiled, self._num_resources())
-        return configs, pieces, compiled, schedule
+        return _Simulated(configs, pieces, compiled, schedule)
 
     def _num_resources(self) -> int:
         return self.machine.num_devices + len(self.machine.links)
@@ -231,9 +239,8 @@ class Simulator:
             self.machine, self.cost, family, self.slots
         )
 
-    def _result(
-        self, compiled: Compiled, schedule: Schedule, configs: dict
-    ) -> SimResult:
+    def _result(self, simulated: "_Simulated") -> SimResult:
+        configs, _, compiled, schedule = simulated
         busy = tuple(float(x) for x in compiled.busy_ms())
         peak = tuple(int(math.ceil(m)) for m in compiled.memory_bytes())
         feasible = all(

@@ -59,6 +59,8 @@ class Piece:
             leader are sinks on distinct devices, ready when it is, with
             the next priorities; the scheduler runs them with it (see
             `schedule`), so they have no dependencies of their own.
+        derived: What `schedule` computes once from the piece (per-device
+            rows, first resources), kept with it; not part of its value.
     """
 
     durations_ms: tuple[float, ...] = ()
@@ -70,6 +72,9 @@ class Piece:
     memory_bytes: tuple[tuple[int, float], ...] = ()
     comm_bytes: float = 0.0
     riders: tuple[tuple[int, int], ...] = ()
+    derived: dict = dataclasses.field(
+        default_factory=dict, compare=False, hash=False, repr=False
+    )
 
 
 class _Builder:

@@ -380,7 +380,7 @@ class CompiledSchedulerTest(unittest.TestCase):
                 sim.start(strategy)
                 for name, config in walk:
                     sim.propose(name, config)
-                    out.append(sim._proposal[3])
+                    out.append(sim._proposal.schedule)
                     sim.accept()
             found.append(out)
         return found
