@@ -22,6 +22,7 @@ from tensorflow.experimental import dtensor
 
 from flexflow_keras import devices
 from flexflow_keras import settings as settings_lib
+from flexflow_keras.runtime import layouts
 
 
 class ClientsDisagree(RuntimeError):
@@ -29,13 +30,12 @@ class ClientsDisagree(RuntimeError):
 
 
 def _mesh() -> Any:
+    """Every device, on one axis: the runtime's mesh rule
+    (`layouts.MeshCache`: this client's devices local, the others'
+    remote)."""
     names = devices.device_names()
-    local = set(devices.local_device_names() or names)
-    ids = [i for i, name in enumerate(names) if name in local]
-    return dtensor.Mesh(
-        ["clients"], np.arange(len(names)), ids,
-        [names[i] for i in ids], mesh_name="ff_clients",
-        global_devices=list(names),
+    return layouts.MeshCache(names, devices.local_device_names()).get(
+        (len(names),), tuple(range(len(names)))
     )
 
 
@@ -44,7 +44,7 @@ def _reduce(values: np.ndarray, reduce: Any, mine: bool) -> np.ndarray:
     length on all; each client's rows hold `values` if `mine`, else
     zeros."""
     mesh = _mesh()
-    layout = dtensor.Layout(["clients", dtensor.UNSHARDED], mesh)
+    layout = dtensor.Layout([mesh.dim_names[0], dtensor.UNSHARDED], mesh)
     row = tf.constant(values if mine else np.zeros_like(values),
                       dtype=tf.int32)[tf.newaxis]
     packed = dtensor.pack([row] * len(mesh.local_devices()), layout)
