@@ -1,18 +1,15 @@
 """The models the runtime benches train, with their data and batch size.
 
 Keras and NumPy only (no flexflow_keras), so `jax_dp_worker.py` can run
-them on the JAX backend. The builders are `tests/model_zoo.py`'s.
+them on the JAX backend. The builders are `model_zoo.py`'s.
 """
 
-import os
-import sys
 import time
 
 import keras
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-import model_zoo  # noqa: E402
+import model_zoo
 
 MODELS = {
     "mlp": (

@@ -31,7 +31,7 @@ from bench_models import MODELS, Timer, loss_of  # noqa: E402
 
 from flexflow_keras import machine as machine_lib  # noqa: E402
 from flexflow_keras import runtime, search, search_space  # noqa: E402
-from flexflow_keras.graph import build_graph  # noqa: E402
+from flexflow_keras.keras_graph import build_graph  # noqa: E402
 from flexflow_keras.simulator import Simulator  # noqa: E402
 from flexflow_keras.strategy import Strategy  # noqa: E402
 

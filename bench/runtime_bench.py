@@ -1,6 +1,6 @@
 """Training throughput side by side on the same devices.
 
-For the MLP, CNN and Transformer of `tests/model_zoo.py`, samples/s of:
+For the MLP, CNN and Transformer of `bench/model_zoo.py`, samples/s of:
 plain Keras `fit` on one device; `tf.distribute.MirroredStrategy` over
 the attached devices; Keras on JAX with `keras.distribution.DataParallel`
 over as many JAX CPU devices (only when `jax` is installed: `pip install
@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 
 from bench_models import MODELS, Timer, loss_of  # noqa: E402
 from flexflow_keras import devices, runtime, search  # noqa: E402
-from flexflow_keras.graph import build_graph  # noqa: E402
+from flexflow_keras.keras_graph import build_graph  # noqa: E402
 from flexflow_keras.machine import live_machine  # noqa: E402
 from flexflow_keras.simulator import Simulator  # noqa: E402
 from flexflow_keras.strategy import Strategy  # noqa: E402

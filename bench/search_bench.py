@@ -41,11 +41,11 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path.insert(0, ROOT)
 
 import flexflow_keras  # noqa: E402,F401  (device setup first)
 import keras  # noqa: E402
-import model_zoo  # noqa: E402  (tests/model_zoo.py: load_example)
+import model_zoo  # noqa: E402  (load_example)
 from keras.src.backend.common.stateless_scope import (  # noqa: E402
     StatelessScope,
 )
@@ -57,7 +57,7 @@ from flexflow_keras import search as search_lib  # noqa: E402
 from flexflow_keras import settings  # noqa: E402
 from flexflow_keras import simulator as simulator_lib  # noqa: E402
 from flexflow_keras import strategy_files  # noqa: E402
-from flexflow_keras.graph import build_graph  # noqa: E402
+from flexflow_keras.keras_graph import build_graph  # noqa: E402
 from flexflow_keras.search_space import random_config  # noqa: E402
 from flexflow_keras.strategy import Strategy  # noqa: E402
 

@@ -17,7 +17,12 @@ import time
 
 from flexflow_keras import schedule, search_space
 from flexflow_keras.graph import (
-    PARAMETER, SAMPLE, Op, OpGraph, TensorInfo, WeightInfo,
+    PARAMETER,
+    SAMPLE,
+    Op,
+    OpGraph,
+    TensorInfo,
+    WeightInfo,
 )
 from flexflow_keras.machine import load_machine
 from flexflow_keras.simulator import Simulator
@@ -94,7 +99,7 @@ def dlrm_graph(
 def inception_graph(per_device: int, devices: int) -> OpGraph:
     import keras
 
-    from flexflow_keras.graph import build_graph
+    from flexflow_keras.keras_graph import build_graph
 
     model = keras.applications.InceptionV3(weights=None)
     return build_graph(model, per_device * devices)

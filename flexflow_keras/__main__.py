@@ -95,9 +95,9 @@ def _load_model(path: str) -> Any:
 
 
 def _load_graph(path: str, batch_size: int) -> Any:
-    from flexflow_keras import graph
+    from flexflow_keras import keras_graph
 
-    return graph.build_graph(_load_model(path), batch_size)
+    return keras_graph.build_graph(_load_model(path), batch_size)
 
 
 def _simulator(graph: Any, machine: Any, slots: int) -> Any:

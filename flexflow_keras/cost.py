@@ -253,6 +253,7 @@ def measure_op_ms(
     import tensorflow as tf
 
     from flexflow_keras import devices
+    from flexflow_keras.keras_graph import fill_arguments
 
     if op.layer is None or op.arguments is None:
         raise ValueError(
@@ -270,7 +271,7 @@ def measure_op_ms(
             name: _random_input(tf, shape, _input_dtype(op, k))
             for k, (name, shape) in enumerate(zip(op.inputs, ins))
         }
-        args, kwargs = op.fill_arguments(values)
+        args, kwargs = fill_arguments(op, values)
         floats = [v for v in values.values() if v.dtype.is_floating]
         forward, train = _step_functions(tf, layer, args, kwargs, floats)
         forward_ms = _median_ms(forward, warmup, repeats)

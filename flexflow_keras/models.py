@@ -22,7 +22,8 @@ from keras.src.models.model import functional_init_arguments
 from keras.src.saving import serialization_lib
 
 from flexflow_keras import settings as settings_lib
-from flexflow_keras.graph import is_subclassed, needs_trace
+from flexflow_keras.keras_graph import is_subclassed, needs_trace
+from flexflow_keras.model_state import state_of
 from flexflow_keras.runtime import StrategyTrainer
 
 # compile() keywords that are ours, not Keras's.
@@ -52,9 +53,9 @@ class _PlanningModel(StrategyTrainer):
         ours = {k: kwargs.pop(k) for k in _OUR_COMPILE_ARGS if k in kwargs}
         batch_size = ours.pop("batch_size", None)
         super().compile(*args, **kwargs)
-        self._ff_settings = settings_lib.resolve(ours)
-        self._ff_plans = {}
-        self._ff_plan = None
+        state = state_of(self)
+        state.settings = settings_lib.resolve(ours)
+        state.plans, state.plan = {}, None
         if batch_size is None:
             batch_size = self._static_batch_size()
         if batch_size is not None:
@@ -70,24 +71,25 @@ class _PlanningModel(StrategyTrainer):
     @property
     def strategy(self) -> Any:
         """The `Strategy` fit() runs under, or None before planning."""
-        plan = getattr(self, "_ff_plan", None)
+        plan = state_of(self).plan
         return None if plan is None else plan.strategy
 
     @property
     def plan(self) -> Any:
         """The last `planner.Plan` (graph, strategy, search result)."""
-        return getattr(self, "_ff_plan", None)
+        return state_of(self).plan
 
     def fit(
         self, x: Any = None, y: Any = None, batch_size: Any = None,
         *args: Any, **kwargs: Any,
     ) -> Any:
-        if getattr(self, "_ff_settings", None) is not None:
+        state = state_of(self)
+        if state.settings is not None:
             found, x = _peek_batch(x, batch_size)
             if (not self.built and found.input_shape is not None
                     and not is_subclassed(self)):
                 self.build(found.input_shape)
-            if needs_trace(self) and not hasattr(self, "_ff_trace_failure"):
+            if needs_trace(self) and state.trace_failure is None:
                 self._trace(found)
             self._ensure_plan(found.batch_size)
         return super().fit(x, y, batch_size, *args, **kwargs)
@@ -115,32 +117,33 @@ class _PlanningModel(StrategyTrainer):
 
     def _strategy_failed(self, reason: str) -> None:
         # For good: later fits must not attach a strategy again.
-        self._ff_runtime_failure = reason
-        self._ff_warned_plain = True
-        self._ff_plan = None
+        state = state_of(self)
+        state.runtime_failure, state.warned_plain = reason, True
+        state.plan = None
         super()._strategy_failed(reason)
 
     def _trace(self, found: "_Peeked") -> None:
         """The model's graph: its call traced on inputs shaped like fit's
         (once; a failure is kept for the warning)."""
-        from flexflow_keras.graph import trace_call
+        from flexflow_keras.keras_graph import trace_call
 
         if found.inputs is not None:
             failure = trace_call(self, found.symbolic_inputs())
             if failure is not None:
-                self._ff_trace_failure = failure
+                state_of(self).trace_failure = failure
 
     def _ensure_plan(self, batch_size: int) -> None:
         """Plans for `batch_size` once, then attaches it to the runtime."""
         from flexflow_keras import capabilities, planner, runtime
 
+        state = state_of(self)
         reason = _why_plain_keras(self)
         if reason is not None:
-            if not getattr(self, "_ff_warned_plain", False):
+            if not state.warned_plain:
                 warnings.warn(reason, stacklevel=3)
-                self._ff_warned_plain = True
+                state.warned_plain = True
             return
-        plan = self._ff_plans.get(batch_size)
+        plan = state.plans.get(batch_size)
         if plan is None:
             own_step = "; ".join(runtime.own_step_reasons(self))
             clients = settings_lib.dtensor_clients()
@@ -153,7 +156,7 @@ class _PlanningModel(StrategyTrainer):
 
             def make():
                 return planner.make_plan(
-                    self, batch_size, self._ff_settings,
+                    self, batch_size, state.settings,
                     optimizer=getattr(self, "optimizer", None),
                     one_mesh_reason=own_step or None,
                     probe=runtime.probe_graph,
@@ -170,21 +173,21 @@ class _PlanningModel(StrategyTrainer):
                     f"device: {error}."
                 )
                 return
-            self._ff_plans[batch_size] = plan
-        if plan is not self._ff_plan:
+            state.plans[batch_size] = plan
+        if plan is not state.plan:
             runtime.attach_strategy(self, plan.graph, plan.strategy)
-            self._ff_plan = plan
+            state.plan = plan
 
 
 def _why_plain_keras(model: Any) -> str | None:
     """Why `model` must train as plain Keras (one device), or None."""
-    from flexflow_keras.graph import has_graph
+    from flexflow_keras.keras_graph import has_graph
 
-    failure = getattr(model, "_ff_runtime_failure", None)
-    if failure is not None:
-        return failure
+    state = state_of(model)
+    if state.runtime_failure is not None:
+        return state.runtime_failure
     if not has_graph(model):
-        failure = getattr(model, "_ff_trace_failure", None)
+        failure = state.trace_failure
         why = (
             f"its call() could not be traced on symbolic inputs "
             f"({failure})" if failure else

@@ -9,7 +9,8 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from flexflow_keras.graph import OpGraph, build_graph
+from flexflow_keras.graph import OpGraph
+from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.optimizer_slots import optimizer_slots
 from flexflow_keras.settings import Settings
 from flexflow_keras.strategy import Strategy

@@ -29,10 +29,9 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 
 from flexflow_keras import taskgraph
-from flexflow_keras.cost import CostModel
 from flexflow_keras.graph import Op, OpGraph
-from flexflow_keras.machine import MachineModel
 from flexflow_keras.search_space import valid_configs
+from flexflow_keras.simulator import Simulator
 from flexflow_keras.strategy import ParallelConfig, Strategy
 
 # Graphs whose strategy count exceeds this are refused by
@@ -122,13 +121,12 @@ def chain_order(graph: OpGraph) -> list[Op] | None:
 
 
 class ChainCosts:
-    """The additive cost of strategies of one chain (module docstring).
+    """The additive cost of strategies of one chain (module docstring),
+    priced with a simulator's machine, op costs and optimizer slots (one
+    source for both: the program's optimum is then simulated as is).
 
     Args:
-        graph: A chain-shaped `OpGraph` (`chain_order`).
-        machine: The machine strategies are placed on.
-        cost: Op costs; None: the machine's (as `Simulator` picks).
-        optimizer_slots: As for `Simulator`.
+        simulator: A `Simulator` of a chain-shaped graph (`chain_order`).
         hidden_syncs: Count no op's weight sync but the first op's (its
             backward is the step's last compute, so its sync is exposed;
             the others may hide behind the backwards still to run). False:
@@ -138,14 +136,8 @@ class ChainCosts:
         ValueError: If the graph is not a chain.
     """
 
-    def __init__(
-        self,
-        graph: OpGraph,
-        machine: MachineModel,
-        cost: CostModel | None = None,
-        optimizer_slots: int = 0,
-        hidden_syncs: bool = False,
-    ):
+    def __init__(self, simulator: Simulator, hidden_syncs: bool = False):
+        graph = simulator.graph
         ops = chain_order(graph)
         if ops is None:
             raise ValueError(
@@ -154,9 +146,9 @@ class ChainCosts:
                 f"({len(graph)} ops). Use `exhaustive_optimum` on small "
                 "graphs, or the search."
             )
-        self.ops, self.machine = ops, machine
-        self.cost = cost or CostModel(machine)
-        self.slots, self.hidden_syncs = optimizer_slots, hidden_syncs
+        self.ops, self.machine = ops, simulator.machine
+        self.cost, self.slots = simulator.cost, simulator.slots
+        self.hidden_syncs = hidden_syncs
         self._index = {op.name: i for i, op in enumerate(ops)}
 
     def node_ms(self, op: Op, config: ParallelConfig) -> float:
@@ -249,8 +241,7 @@ def chain_optimum(
 
 def chain_reference(
     graph: OpGraph,
-    simulator: object,
-    optimizer_slots: int = 0,
+    simulator: Simulator,
     configs: Callable[[Op, int], Sequence[ParallelConfig]] = aligned_configs,
 ) -> tuple[Strategy, float] | None:
     """The reference for a chain: the optima of both additive costs
@@ -258,9 +249,8 @@ def chain_reference(
 
     Args:
         graph: The model's `OpGraph`.
-        simulator: A `Simulator` of `graph`; its machine and cost model
-            price the pieces.
-        optimizer_slots: As for `Simulator`.
+        simulator: A `Simulator` of `graph`; its machine, cost model and
+            optimizer slots price the pieces.
         configs: Candidate configs per op.
 
     Returns:
@@ -271,8 +261,7 @@ def chain_reference(
         return None
     found = []
     for hidden in (False, True):
-        costs = ChainCosts(graph, simulator.machine, simulator.cost,
-                           optimizer_slots, hidden)
+        costs = ChainCosts(simulator, hidden)
         strategy = chain_optimum(costs, configs).strategy
         found.append((_ms(simulator.simulate(strategy)), strategy))
     ms, strategy = min(found, key=lambda pair: pair[0])

@@ -11,7 +11,7 @@ import numpy as np
 
 import model_zoo
 from flexflow_keras import runtime
-from flexflow_keras.graph import build_graph
+from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.strategy import ParallelConfig, Strategy
 
 NUM_DEVICES = 4
@@ -136,14 +136,17 @@ def parameter(graph):
     return Strategy(configs)
 
 
-def random_strategy(seed):
+def random_strategy(seed, tied=True):
+    """Random configs, a shared layer's calls tied as the search ties
+    them (`tied=False`: as drawn)."""
     def make(graph):
-        from flexflow_keras.search_space import random_config
+        from flexflow_keras.search_space import random_config, tie_shared
 
         rng = random.Random(seed)
-        return Strategy({
+        strategy = Strategy({
             op.name: random_config(op, NUM_DEVICES, rng) for op in graph
         })
+        return tie_shared(graph, strategy)[0] if tied else strategy
 
     return make
 

@@ -27,7 +27,7 @@ from tensorflow.experimental import dtensor
 import flexflow_keras as fk
 from flexflow_keras import capabilities, search_space
 from flexflow_keras.capabilities import Probed
-from flexflow_keras.graph import build_graph
+from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.runtime import op_rules, probe
 from flexflow_keras.strategy import ParallelConfig, Strategy
 

@@ -10,7 +10,7 @@ from flexflow_keras.cost import (
     CostModel, analytic_cost_model, cache_key, measured_cost_model,
     shard_shapes,
 )
-from flexflow_keras.graph import build_graph
+from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.machine import DeviceSpec, load_machine
 from flexflow_keras.strategy import ParallelConfig
 

@@ -5,7 +5,7 @@ import unittest
 
 import model_zoo
 from flexflow_keras import experts, search
-from flexflow_keras.graph import build_graph
+from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.machine import load_machine
 from flexflow_keras.simulator import Simulator
 from flexflow_keras.strategy import Strategy

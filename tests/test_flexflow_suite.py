@@ -42,7 +42,7 @@ def run_example(name: str, *flags: str) -> str:
 
 def exported_strategy(name: str, path: str):
     """The strategy in `path`, loaded against the example's small model."""
-    from flexflow_keras.graph import build_graph
+    from flexflow_keras.keras_graph import build_graph
     from flexflow_keras.strategy_files import load_strategy
 
     module = model_zoo.load_example(name)

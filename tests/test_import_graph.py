@@ -13,6 +13,17 @@ import unittest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "flexflow_keras"
 
+# The planning core: pure computation over `OpGraph`s. It imports no
+# Keras, no TensorFlow and not the bridge from Keras (`keras_graph`), not
+# even lazily; op costs are measured in cost.py, devices read in
+# machine.py.
+PURE = tuple(f"{PACKAGE}.{name}" for name in (
+    "graph", "strategy", "search_space", "taskgraph", "schedule",
+    "simulator", "search", "report", "reference", "experts", "partition",
+    "optimizer_slots",
+))
+OUTSIDE_PURE = ("keras", "tensorflow", f"{PACKAGE}.keras_graph")
+
 # Modules of the stages after planning; nothing outside them imports them.
 LATER = ("flexflow_keras.runtime", "flexflow_keras.models",
          "flexflow_keras.launch", "flexflow_keras.__main__")
@@ -55,6 +66,17 @@ def imports(found: dict[str, str]) -> dict[str, set[str]]:
         edges[name] = {t for t in targets
                        if t in found and t not in (name, PACKAGE)}
     return edges
+
+
+def all_imports(path: str) -> set[str]:
+    """Every absolute module name a file imports, lazily or not."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return found
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -117,6 +139,19 @@ class ImportGraphTest(unittest.TestCase):
             if not _later(name) and name != PACKAGE
         }
         self.assertEqual({k: v for k, v in backward.items() if v}, {})
+
+    def test_planning_core_imports_no_keras(self):
+        found = modules()
+        for name in PURE:
+            reached = {
+                target for target in all_imports(found[name])
+                if any(target == o or target.startswith(o + ".")
+                       for o in OUTSIDE_PURE)
+            }
+            self.assertEqual(reached, set(), name)
+        # The check sees a Keras import where there is one.
+        self.assertIn("keras.tree",
+                      all_imports(found[f"{PACKAGE}.keras_graph"]))
 
     def test_runtime_does_not_import_the_models(self):
         for name, targets in self.edges.items():

@@ -186,7 +186,7 @@ def random_strategy_steps(test, names, count):
     import warnings
 
     from flexflow_keras import runtime, search_space
-    from flexflow_keras.graph import build_graph
+    from flexflow_keras.keras_graph import build_graph
 
     import flexflow_keras as fk
 

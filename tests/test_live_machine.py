@@ -15,7 +15,7 @@ import model_zoo
 
 from flexflow_keras import calibration, devices
 from flexflow_keras.cost import CostModel
-from flexflow_keras.graph import build_graph
+from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.machine import LinkGroup, MachineModel, load_machine
 from flexflow_keras.simulator import Simulator
 from flexflow_keras.strategy import ParallelConfig, Strategy

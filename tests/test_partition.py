@@ -8,7 +8,7 @@ import keras
 
 import model_zoo
 from flexflow_keras import cost, devices, partition, search_space
-from flexflow_keras.graph import build_graph
+from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.runtime import layouts
 from flexflow_keras.strategy import ParallelConfig, Strategy
 

@@ -9,7 +9,7 @@ import keras
 
 from flexflow_keras import reference
 from flexflow_keras import search as search_lib
-from flexflow_keras.graph import build_graph
+from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.machine import load_machine
 from flexflow_keras.search_space import valid_configs
 from flexflow_keras.simulator import Simulator
@@ -52,7 +52,7 @@ class ChainTest(unittest.TestCase):
         residual = build_graph(keras.Model(inputs, out), 8)
         self.assertIsNone(reference.chain_order(residual))
         with self.assertRaisesRegex(ValueError, "not one \\(3 ops\\)"):
-            reference.ChainCosts(residual, load_machine("v100x4"))
+            reference.ChainCosts(Simulator(residual, load_machine("v100x4")))
         sim = Simulator(residual, load_machine("v100x4"))
         self.assertIsNone(reference.chain_reference(residual, sim))
 
@@ -62,7 +62,8 @@ class ChainTest(unittest.TestCase):
         graph = _wide_mlp()
         machine = load_machine("v100x4")
         for hidden in (False, True):
-            costs = reference.ChainCosts(graph, machine, hidden_syncs=hidden)
+            costs = reference.ChainCosts(Simulator(graph, machine),
+                                         hidden_syncs=hidden)
             found = reference.chain_optimum(costs)
             self.assertAlmostEqual(costs.total_ms(found.strategy),
                                    found.cost_ms, places=9)

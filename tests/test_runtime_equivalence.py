@@ -17,7 +17,7 @@ import pytest
 
 import runtime_support as support
 from flexflow_keras.runtime import model_step, step
-from flexflow_keras.graph import build_graph
+from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.strategy import Strategy
 
 EQUIVALENCE_MODELS = (
@@ -67,8 +67,17 @@ class RuntimeEquivalenceTest(unittest.TestCase):
         self.check("embedding", support.parameter, "adam")
 
     def test_shared_layer_random_strategy_momentum(self):
-        with self.assertWarnsRegex(UserWarning, "shares weights with"):
-            self.check("shared_layer", support.random_strategy(3), "momentum")
+        self.check("shared_layer", support.random_strategy(3), "momentum")
+
+    def test_untied_shared_layer_is_refused(self):
+        """The runtime runs the strategy it gets: a shared layer's call
+        on another mesh than its weights is an error, not re-placed."""
+        _, model = support.build_pair("shared_layer", "momentum")
+        with self.assertRaisesRegex(
+            ValueError, "'shared#1' calls the shared layer of 'shared'.*"
+            "tie_shared"
+        ):
+            support.attach(model, support.random_strategy(3, tied=False), 8)
 
     def test_random_strategies_mlp_cnn_transformer(self):
         for name, seed in (("mlp", 1), ("cnn", 2), ("transformer", 3)):

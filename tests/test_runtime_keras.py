@@ -345,7 +345,7 @@ class TracingTest(unittest.TestCase):
     TensorFlow prints no retracing warning."""
 
     def run_everything(self, strategy_of):
-        from flexflow_keras.graph import build_graph
+        from flexflow_keras.keras_graph import build_graph
 
         inputs = keras.Input((32,))
         h = keras.layers.Dense(64, activation="relu", name="d0")(inputs)

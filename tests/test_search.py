@@ -12,7 +12,7 @@ import keras
 
 from flexflow_keras import report as report_lib
 from flexflow_keras import search as search_lib
-from flexflow_keras.graph import build_graph
+from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.search_space import valid_configs
 from flexflow_keras.strategy import ParallelConfig, Strategy
 

@@ -17,8 +17,14 @@ from array import array
 from flexflow_keras import schedule, search_space
 from flexflow_keras.cost import CostModel
 from flexflow_keras.graph import (
-    PARAMETER, SAMPLE, Op, OpGraph, TensorInfo, WeightInfo, build_graph,
+    PARAMETER,
+    SAMPLE,
+    Op,
+    OpGraph,
+    TensorInfo,
+    WeightInfo,
 )
+from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.machine import load_machine, machine_from_dict
 from flexflow_keras.simulator import Simulator
 from flexflow_keras.strategy import ParallelConfig, Strategy

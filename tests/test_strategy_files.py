@@ -9,7 +9,7 @@ import warnings
 import keras
 
 from flexflow_keras import strategy_files
-from flexflow_keras.graph import build_graph
+from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.strategy import ParallelConfig, Strategy
 from flexflow_keras.strategy_files import load_strategy, save_strategy
 

@@ -40,7 +40,7 @@ def probe_graph(graph):
 def agreed_plan(model, batch_size, make_plan):
     """In DTensor's multi-client mode: client 0's plan (`make_plan()`)
     on every client (`clients.agreed_plan`)."""
-    from flexflow_keras.graph import build_graph
+    from flexflow_keras.keras_graph import build_graph
     from flexflow_keras.runtime import clients
 
     return clients.agreed_plan(

@@ -18,7 +18,6 @@ whose other ops keep their splits.
 """
 
 import dataclasses
-import warnings
 from typing import Any
 
 import numpy as np
@@ -199,28 +198,35 @@ def plan_ops(
             mesh = meshes.get(config.dims, config.device_ids)
         owner = op.shares_weights_with and by_name.get(op.shares_weights_with)
         if owner is not None and owner.mesh != mesh:
-            # The weights live once, on the owner's mesh; a call on another
-            # mesh would need their gradient summed across meshes. Run the
-            # call where its weights are: same values, other placement.
-            if op.output_shape != owner.op.output_shape:
-                raise NotImplementedError(
-                    f"Op '{op.name}' shares the weights of "
-                    f"'{owner.op.name}' but has another output shape and "
-                    "another mesh. Give both the same dims and device_ids."
-                )
-            warnings.warn(
-                f"Op '{op.name}' shares weights with '{owner.op.name}'; it "
-                f"runs with that op's config {strategy[owner.op.name]} "
-                f"instead of {config}.",
-                stacklevel=3,
-            )
-            config = strategy[owner.op.name]
-            mesh = owner.mesh
+            _untied(op, config, owner.op, strategy[owner.op.name])
         plans.append(
             OpPlan(op, mesh, axis_of_dim(config.dims), config.dims[0])
         )
         by_name[op.name] = plans[-1]
     return tuple(plans)
+
+
+def _untied(op: Op, config: Any, owner: Op, owner_config: Any) -> None:
+    """Raises for a call of a shared layer away from its weights' mesh.
+
+    The weights live once, on the first call's mesh; a call on another
+    mesh would need their gradient summed across meshes. Strategies come
+    tied (`search_space.tie_shared`: the search, imports and compile()
+    tie them), so this is a strategy made or edited by hand.
+    """
+    if op.output_shape != owner.output_shape:
+        raise NotImplementedError(
+            f"Op '{op.name}' shares the weights of '{owner.name}' but has "
+            "another output shape and another mesh. Give both the same "
+            "dims and device_ids."
+        )
+    raise ValueError(
+        f"Op '{op.name}' calls the shared layer of '{owner.name}', whose "
+        f"weights live on that op's devices, with another config: "
+        f"{config} against {owner_config}. Give every call of a shared "
+        "layer the same config (`flexflow_keras.search_space.tie_shared("
+        "graph, strategy)` does)."
+    )
 
 
 def _the_mesh(strategy: Any, meshes: MeshCache) -> Any:

@@ -39,6 +39,7 @@ from tensorflow.experimental import dtensor
 from flexflow_keras import capabilities, disk_cache
 from flexflow_keras.capabilities import Probed
 from flexflow_keras.graph import Op, OpGraph
+from flexflow_keras.keras_graph import fill_arguments
 from flexflow_keras.runtime import op_rules
 from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.variables import replicate
@@ -214,7 +215,7 @@ def _forward_backward(
         with tf.GradientTape() as tape:
             tape.watch(floats + list(weights))
 
-            args, kwargs = op.fill_arguments(dict(zip(op.inputs, xs)))
+            args, kwargs = fill_arguments(op, dict(zip(op.inputs, xs)))
             if getattr(layer, "_call_has_training_arg", False):
                 kwargs = dict(kwargs, training=True)
             if hasattr(layer, "stateless_call"):

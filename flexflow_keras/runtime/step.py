@@ -21,7 +21,7 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 from tensorflow.experimental import dtensor
 
-from flexflow_keras.graph import function_of
+from flexflow_keras.keras_graph import fill_arguments, function_of
 from flexflow_keras.runtime import op_rules
 from flexflow_keras.runtime.fallback import fall_back
 from flexflow_keras.runtime.keras_functions import keras_function
@@ -203,7 +203,7 @@ class Executor:
                         pos, tuple(value.shape), sharded
                     )
                     local[name] = dtensor.relayout(value, layout)
-            args, kwargs = op.fill_arguments(local)
+            args, kwargs = fill_arguments(op, local)
             layer = op.layer
             trainable, non_trainable = layer_variables(layer)
             mapping = [

@@ -26,7 +26,7 @@ _STEP_METHODS = (
 def own_step_reasons(model: Any) -> list[str]:
     """Why `model` must run its own training step; [] if Keras's default
     step, layer by layer, computes exactly what it does."""
-    from flexflow_keras.graph import is_subclassed
+    from flexflow_keras.keras_graph import is_subclassed
     from flexflow_keras.runtime.optimizers import check_supported
 
     reasons = ["it is a subclassed model"] if is_subclassed(model) else []

@@ -23,6 +23,7 @@ from typing import Any
 
 import keras
 
+from flexflow_keras.model_state import state_of
 from flexflow_keras.runtime import clients, layouts, op_rules
 from flexflow_keras.runtime.model_step import ModelStepExecutor, one_mesh
 from flexflow_keras.runtime.step import Executor, single_device
@@ -47,7 +48,7 @@ def attach_strategy(model: Any, graph: Any, strategy: Any) -> None:
             f"StrategyTrainer. Received: {type(model).__name__}."
         )
     detach_strategy(model)
-    model._ff_executor = make_executor(
+    state_of(model).executor = make_executor(
         model, graph, strategy, devices.device_names()
     )
 
@@ -71,10 +72,10 @@ def make_executor(model: Any, graph: Any, strategy: Any,
 
 def detach_strategy(model: Any) -> None:
     """Back to plain Keras training (trained values kept)."""
-    executor = getattr(model, "_ff_executor", None)
-    if executor is not None:
-        executor.sync_out()
-    model._ff_executor = None
+    state = state_of(model)
+    if state.executor is not None:
+        state.executor.sync_out()
+    state.executor = None
     model.train_function = None
     model.test_function = None
     model.predict_function = None
@@ -118,8 +119,6 @@ class _SyncCallback(keras.callbacks.Callback):
 class StrategyTrainer:
     """Mixin: runs Keras training loops with a strategy's DTensor steps."""
 
-    _ff_executor = None
-
     def _strategy_failed(self, reason: str) -> None:
         """The strategy cannot run on TensorFlow: says `reason` and trains
         as plain Keras from here on, with the values trained so far."""
@@ -139,7 +138,8 @@ class StrategyTrainer:
 
     @property
     def strategy_executor(self) -> Executor | None:
-        return self._ff_executor
+        """The executor fit() runs now; None: plain Keras."""
+        return state_of(self).executor
 
     def _strategy_function(self, kind: str, keras_make: Any, force: bool):
         """The `kind` (train/test/predict) function under the strategy.
@@ -148,7 +148,7 @@ class StrategyTrainer:
         own step pinned to that device. Otherwise the DTensor executor's.
         """
         attr = f"{kind}_function"
-        executor = self._ff_executor
+        executor = self.strategy_executor
         if executor is None:
             return keras_make(force=force)
         if getattr(self, attr) is None or force:
@@ -179,11 +179,11 @@ class StrategyTrainer:
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1,
             verbose="auto", callbacks=None, **kwargs):
-        executor = self._ff_executor
+        executor = self.strategy_executor
         if executor is None:
             return super().fit(x, y, batch_size, epochs, verbose, callbacks,
                                **kwargs)
-        settings = getattr(self, "_ff_settings", None)
+        settings = state_of(self).settings
         verbose, callbacks = clients.host_fit_arguments(
             verbose, callbacks,
             settings is not None and settings.all_hosts_output,
@@ -208,21 +208,15 @@ class StrategyTrainer:
 
     def _sync_in(self) -> None:
         """Keras variables -> DVariables (no-op without a strategy)."""
-        if self._ff_executor is not None:
-            self._ff_executor.sync_in()
+        executor = self.strategy_executor
+        if executor is not None:
+            executor.sync_in()
 
     def _sync_out(self) -> None:
         """DVariables -> Keras variables (no-op without a strategy)."""
-        if self._ff_executor is not None:
-            self._ff_executor.sync_out()
-
-    def evaluate(self, *args, **kwargs):
-        self._sync_in()
-        return super().evaluate(*args, **kwargs)
-
-    def predict(self, *args, **kwargs):
-        self._sync_in()
-        return super().predict(*args, **kwargs)
+        executor = self.strategy_executor
+        if executor is not None:
+            executor.sync_out()
 
     def train_on_batch(self, *args, **kwargs):
         self._sync_in()
@@ -233,24 +227,36 @@ class StrategyTrainer:
 
     def reset_metrics(self):
         super().reset_metrics()
-        sync = getattr(self._ff_executor, "sync_metrics_in", None)
+        sync = getattr(self.strategy_executor, "sync_metrics_in", None)
         if sync is not None:
             sync()
 
     def get_metrics_result(self):
-        sync = getattr(self._ff_executor, "sync_metrics_out", None)
+        sync = getattr(self.strategy_executor, "sync_metrics_out", None)
         if sync is not None and tf_executing_eagerly():
             sync()
         return super().get_metrics_result()
 
-    def get_weights(self):
-        self._sync_out()
-        return super().get_weights()
 
-    def save(self, *args, **kwargs):
-        self._sync_out()
-        return super().save(*args, **kwargs)
+def _after_sync(name: str, sync: str) -> Any:
+    """Keras's method `name`, run after the trainer's `sync`."""
 
-    def save_weights(self, *args, **kwargs):
-        self._sync_out()
-        return super().save_weights(*args, **kwargs)
+    def method(self, *args, **kwargs):
+        getattr(self, sync)()
+        return getattr(super(StrategyTrainer, self), name)(*args, **kwargs)
+
+    method.__name__ = name
+    method.__qualname__ = f"StrategyTrainer.{name}"
+    method.__doc__ = f"`keras.Model.{name}`, after `{sync}`."
+    return method
+
+
+# Keras's entry points that must run on the values the user set (Keras
+# values in first) or that read the trained ones (DVariables out first):
+# the module docstring's weight-sync rule, in one table.
+for _name, _sync in (
+    ("evaluate", "_sync_in"), ("predict", "_sync_in"),
+    ("get_weights", "_sync_out"), ("save", "_sync_out"),
+    ("save_weights", "_sync_out"),
+):
+    setattr(StrategyTrainer, _name, _after_sync(_name, _sync))

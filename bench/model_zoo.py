@@ -1,4 +1,5 @@
-"""Small Keras models shared by the test files (and benches).
+"""Small Keras models shared by the benches and the test files
+(tests/conftest.py puts this folder on the path).
 
 Each builder returns a plain `keras.Model` (functional API, full
 `keras.Input` shapes, plain `keras` layers) so tests can compare our
