@@ -210,7 +210,7 @@ class Simulator:
     def _num_resources(self) -> int:
         return self.machine.num_devices + len(self.machine.links)
 
-    def _piece(self, slot: tuple, configs: dict) -> taskgraph.Piece:
+    def _piece(self, slot: "_Slot", configs: dict) -> taskgraph.Piece:
         key = slot + tuple(configs[n] for n in self._layout.reads[slot])
         piece = self._cache.get(key)
         if piece is None:
@@ -218,18 +218,19 @@ class Simulator:
             self._cache.put(key, piece)
         return piece
 
-    def _build(self, slot: tuple, configs: dict) -> taskgraph.Piece:
-        kind, name = slot[0], slot[1]
+    def _build(self, slot: "_Slot", configs: dict) -> taskgraph.Piece:
+        name = slot.name
         op, i = self.graph.op(name), self._index[name]
-        if kind == "op":
+        if slot.kind == "op":
             return taskgraph.op_piece(
                 op, i, configs[name], self.cost, self.machine
             )
-        if kind == "edge":
-            producer = self.graph.op(slot[2])
+        if slot.kind == "edge":
+            producer = self.graph.op(slot.producer)
             return taskgraph.edge_piece(
-                self.machine, producer, self._index[slot[2]],
-                configs[slot[2]], op, i, configs[name], slot[3],
+                self.machine, producer, self._index[slot.producer],
+                configs[slot.producer], op, i, configs[name],
+                slot.input_index,
             )
         family = [
             (self.graph.op(n), self._index[n], configs[n])
@@ -353,29 +354,41 @@ class _PieceCache:
             self.num_tasks -= 1 + len(old.durations_ms)
 
 
+class _Slot(NamedTuple):
+    """One piece of the task graph: an op's forwards and backwards
+    (`op`), the transfers of input `input_index` of op `name` from
+    `producer` (`edge`), or the weight syncs and updates of the family
+    `name` owns (`family`)."""
+
+    kind: str
+    name: str
+    producer: str | None = None
+    input_index: int = 0
+
+
 class _Layout:
     """Which pieces exist, which configs each reads, which an op touches.
 
-    Slots: `("op", name)`, `("edge", consumer, producer, input index)`,
-    `("family", owner)`; `reads[slot]` are the op names whose configs
-    the piece depends on; `touched[name]` the slot indices to rebuild
-    when that op's config changes.
+    `slots`: op slots first (one per op, in graph order), then edges,
+    then families; `reads[slot]` are the op names whose configs the
+    piece depends on; `touched[name]` the slot indices to rebuild when
+    that op's config changes.
     """
 
     def __init__(self, graph: OpGraph, index: dict, families: dict):
-        slots: list[tuple] = []
-        reads: dict[tuple, tuple[str, ...]] = {}
+        slots: list[_Slot] = []
+        reads: dict[_Slot, tuple[str, ...]] = {}
         for op in graph:
-            slots.append(("op", op.name))
+            slots.append(_Slot("op", op.name))
             reads[slots[-1]] = (op.name,)
         for op in graph:
             for k, tensor in enumerate(op.inputs):
                 producer = graph.producer(tensor)
                 if producer is not None:
-                    slots.append(("edge", op.name, producer.name, k))
+                    slots.append(_Slot("edge", op.name, producer.name, k))
                     reads[slots[-1]] = (producer.name, op.name)
         for owner, members in families.items():
-            slots.append(("family", owner))
+            slots.append(_Slot("family", owner))
             reads[slots[-1]] = tuple(members)
         self.slots = slots
         self.reads = reads
