@@ -2,7 +2,7 @@
 parallelism, the expert strategy, greedy and random search.
 
     python bench/search_bench.py [--budget 1000] [--seed 0] [--alpha A]
-        [--relative-alpha R] [--models alexnet,...] [--no-random]
+        [--relative-alpha R] [--sweep S] [--models alexnet,...] [--no-random]
         [--export-dir strategies] [--tune 10,30,100,300]
 
 The models are the example scripts' (`examples/<model>.py`, full size,
@@ -18,8 +18,10 @@ in its case study). Per model, the best simulated step time of:
   configs and keeping the fastest (as many simulations as MCMC);
 - random: `budget` independent random strategies, best feasible kept;
 - MCMC (`flexflow_keras.search.search`, the defaults `compile()` uses:
-  relative acceptance, started from the better of data parallelism and
-  the expert strategy) with `budget` iterations, and its wall time;
+  started from the better of data parallelism and the expert strategy,
+  a first sweep over each op's splits for up to half the budget, then
+  the chain with relative acceptance) with `budget` iterations in all,
+  and its wall time; `--sweep 0` is FlexFlow's plain MCMC;
 - the reference optimum where one exists (`flexflow_keras.reference`):
   the chain dynamic program for chain-shaped models, exhaustive
   enumeration for the small `*_v100x4` cases; MCMC over it.
@@ -155,7 +157,7 @@ def reference_ms(graph, simulator):
 
 
 def run_case(name, budget, seeds, alpha, relative_alpha, with_random=True,
-             with_reference=True):
+             with_reference=True, sweep=search_lib.SWEEP_SHARE):
     """One model's row; greedy and MCMC at each seed (medians)."""
     _, machine_name, batch = CASES[name]
     graph = case_graph(name)
@@ -176,7 +178,7 @@ def run_case(name, budget, seeds, alpha, relative_alpha, with_random=True,
     results = [
         search_lib.search(graph, sim(), n, budget, alpha=alpha,
                           relative_alpha=relative_alpha, seed=s, verbose=0,
-                          candidates=(expert,))
+                          candidates=(expert,), sweep=sweep)
         for s in seeds
     ]
     for result in results:
@@ -267,6 +269,10 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=",".join(CASES))
     parser.add_argument("--relative-alpha", type=float,
                         default=search_lib.RELATIVE_ALPHA)
+    parser.add_argument("--sweep", type=float,
+                        default=search_lib.SWEEP_SHARE,
+                        help="Share of the budget the search's first "
+                        "sweep may use (0: plain MCMC).")
     parser.add_argument("--show-strategy", action="store_true")
     parser.add_argument("--no-random", action="store_true",
                         help="Skip random search (slow on big graphs).")
@@ -295,7 +301,8 @@ def main(argv=None) -> int:
         row = run_case(name, budget,
                        list(range(seed, seed + args.seeds)),
                        flags.search_alpha, args.relative_alpha,
-                       not args.no_random, not args.no_reference)
+                       not args.no_random, not args.no_reference,
+                       args.sweep)
         rows.append(row)
         print(format_rows([row], budget).splitlines()[-1], flush=True)
         if args.show_strategy:

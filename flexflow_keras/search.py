@@ -1,13 +1,31 @@
-"""MCMC search over strategies, as in FlexFlow (MLSys'19, section 6).
+"""MCMC search over strategies, as in FlexFlow (MLSys'19, section 6),
+after one greedy sweep.
 
 Starts from data parallelism, or from the fastest of the `candidates`
 given (`compile()` passes the model's expert strategy, `experts.py`).
-Each iteration picks a random op and a random valid config for it
+
+The sweep: op after op, those with the most trainable weight bytes
+first (graph order among equals), each tries every degree split it can
+take on the first devices (`search_space.sweep_configs`), and a faster
+strategy is kept at once. It stops after `sweep` (default half) of the
+budget: small graphs' sweeps end well before (AlexNet's 92 configs),
+large ones' do not (Inception-v3's 5,941), which is why the heavy ops go
+first: their weight syncs are what a split other than data parallelism
+saves. Why a sweep: MCMC's single random proposals, each accepted on
+its own, settle in a nearby local optimum where trying all of one op's
+splits in turn finds the basin (NMT's embeddings split 2-D over all
+devices rather than moved to one device). On the benchmark suite, with
+the chain after it, MCMC went from behind greedy search on 5 of 12
+cases to ahead of or level with it on every one (docs/SEARCH.md).
+
+Then FlexFlow's chain, for the rest of the budget: each iteration picks
+a random op and a random valid config for it
 (`search_space.random_config`), scores the changed strategy with the
 simulator's delta simulation, and accepts it if faster, else with
 probability `exp(-relative_alpha * (next_ms - cur_ms) / cur_ms)` (or
 FlexFlow's per-ms rule, `exp(-alpha * (next_ms - cur_ms))`, when `alpha`
-is given); the best strategy seen is kept.
+is given); the best strategy seen is kept. `sweep=0` is FlexFlow's plain
+MCMC.
 
 Why relative by default: FlexFlow's alpha 0.05 per ms accepts a
 proposal 10 ms slower 60% of the time, so on 40-150 ms steps the chain
@@ -16,6 +34,7 @@ optimum. A rule on the relative change behaves alike at every scale.
 
 As in FlexFlow's `FFModel::optimize`, the chain restarts from the best
 strategy every `budget / 100` iterations (at least 1, at most 1000).
+Every proposal of either phase is one iteration of the budget.
 Infeasible proposals (over a device's memory) are rejected. Ctrl-C
 ends the search early and keeps the best.
 
@@ -39,8 +58,8 @@ from typing import Any
 from flexflow_keras.graph import OpGraph
 from flexflow_keras.report import search_report
 from flexflow_keras.search_space import (
-    one_mesh_configs, one_mesh_data_parallel, random_config, tie_shared,
-    weight_ties,
+    one_mesh_configs, one_mesh_data_parallel, random_config, sweep_configs,
+    tie_shared, weight_ties,
 )
 from flexflow_keras.strategy import Strategy, validate_config
 
@@ -49,6 +68,10 @@ PROGRESS_EVERY = 100
 # is accepted with probability exp(-0.01 * RELATIVE_ALPHA). Chosen on the
 # benchmark suite (bench/search_bench.py --tune; docs/SEARCH.md).
 RELATIVE_ALPHA = 100.0
+# Most of the budget the first sweep may use. Chosen on the benchmark
+# suite (bench/search_bench.py; docs/SEARCH.md): the sweep ends well
+# below it on most models.
+SWEEP_SHARE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +131,7 @@ def search(
     one_mesh_parts: int | None = None,
     relative_alpha: float = RELATIVE_ALPHA,
     candidates: tuple[Strategy, ...] = (),
+    sweep: float = SWEEP_SHARE,
 ) -> SearchResult:
     """Runs FlexFlow's MCMC search for `budget` iterations.
 
@@ -141,7 +165,9 @@ def search(
             fraction r of the current step is accepted with probability
             exp(-relative_alpha * r).
         candidates: Other start points (expert strategies, say): the
-            chain starts from the fastest of them and the usual start.
+            search starts from the fastest of them and the usual start.
+        sweep: Share of the budget (0..1) the first sweep may use (see
+            the module docstring); 0: FlexFlow's plain MCMC.
 
     A strategy that puts every op on one device is never proposed when
     there are several: that is plain Keras on one device, which needs no
@@ -162,6 +188,10 @@ def search(
         raise ValueError(
             "`relative_alpha` must be >= 0. "
             f"Received: relative_alpha={relative_alpha}"
+        )
+    if not 0 <= sweep <= 1:
+        raise ValueError(
+            f"`sweep` must be between 0 and 1. Received: sweep={sweep}"
         )
     out = print_fn or _print
     if seed is None:
@@ -186,29 +216,46 @@ def search(
         candidate_ms = _ms(simulator.simulate(candidate))
         if candidate_ms < cur_ms:
             current, cur_ms = candidate, _ms(simulator.start(candidate))
-    best, best_ms = current, cur_ms
+    chain = _Chain(current, cur_ms)
     if reset_every is None:
         reset_every = min(max(budget // 100, 1), 1000)
     ops = graph.ops
     mesh_choices = {} if one_mesh_parts is None else {
         op.name: one_mesh_configs(op, one_mesh_parts) for op in ops
     }
-    accepted = iteration = 0
-    interrupted = False
     used = _DeviceUse(current) if num_devices > 1 else None
+    step = _Stepper(chain, simulator, used, alpha, relative_alpha, rng,
+                    out if verbose else None)
+    interrupted = False
     try:
-        for iteration in range(1, budget + 1):
-            if reset_every and iteration % reset_every == 0 and (
-                current is not best
-            ):
-                current, cur_ms = best, _ms(simulator.start(best))
-                if used is not None:
-                    used = _DeviceUse(current)
+        # The sweep (module docstring): each op tries its degree splits
+        # (`sweep_configs`, or its one-mesh configs); a faster one is
+        # kept at once, so the op ends on its fastest (all proposals for
+        # one op change that op alone). At most `sweep` of the budget.
+        limit = int(budget * sweep)
+        for op in sorted(ops, key=lambda op: -op.trainable_weight_bytes):
+            names = ties.get(op.name, (op.name,))
+            if chain.iterations >= limit:
+                break
+            if names[0] != op.name:
+                continue  # a shared layer's later call: its owner's turn
+            choices = mesh_choices.get(op.name) or sweep_configs(
+                op, num_devices
+            )
+            for config in choices:
+                if chain.iterations >= limit:
+                    break
+                step.try_config(names, config, greedy=True)
+        # FlexFlow's chain, for the rest of the budget.
+        while chain.iterations < budget:
+            if reset_every and (chain.iterations + 1) % reset_every == 0:
+                step.restart()
             op = ops[rng.randrange(len(ops))]
+            names = ties.get(op.name, (op.name,))
             config = None
             if propagation and rng.random() < propagation:
-                config = _neighbour_config(graph, op, current, num_devices,
-                                           rng)
+                config = _neighbour_config(graph, op, chain.current,
+                                           num_devices, rng)
                 if mesh_choices and config not in mesh_choices[op.name]:
                     config = None
             if config is None and mesh_choices:
@@ -216,40 +263,12 @@ def search(
                 config = choices[rng.randrange(len(choices))]
             elif config is None:
                 config = random_config(op, num_devices, rng)
-            next_ms = cur_ms
-            tied = ties.get(op.name)
-            names = tied or (op.name,)
-            if used is not None and used.one_device_after(
-                current, names, config
-            ):
-                config = current[op.name]  # not proposed: see docstring
-            if config != current[op.name]:
-                if tied is None:
-                    next_ms = _ms(simulator.propose(op.name, config))
-                else:  # a shared layer's calls change together
-                    next_ms = _ms(simulator.propose_many(
-                        {name: config for name in tied}
-                    ))
-                if _accept(next_ms, cur_ms, alpha, relative_alpha, rng):
-                    simulator.accept()
-                    for name in names:
-                        if used is not None:
-                            used.replace(current[name], config)
-                        current = current.replace(name, config)
-                    cur_ms = next_ms
-                    accepted += 1
-                    if cur_ms < best_ms:
-                        best, best_ms = current, cur_ms
-            if verbose and iteration % PROGRESS_EVERY == 0:
-                out(
-                    f"iter({iteration}) cur({cur_ms:.2f}) "
-                    f"next({next_ms:.2f}) best({best_ms:.2f})"
-                )
+            if not step.try_config(names, config, greedy=False):
+                step.count(chain.cur_ms)  # not proposed: same iteration
     except KeyboardInterrupt:
         interrupted = True
-        iteration = max(iteration - 1, 0)  # the cut one did not finish
         if verbose:
-            out(f"Search interrupted after {iteration} iterations; "
+            out(f"Search interrupted after {chain.iterations} iterations; "
                 "keeping the best strategy found so far.")
     one_device_ms = math.nan
     if used is not None:
@@ -257,11 +276,11 @@ def search(
             graph, 1
         )))
     result = SearchResult(
-        strategy=best,
-        best_ms=best_ms,
+        strategy=chain.best,
+        best_ms=chain.best_ms,
         data_parallel_ms=data_parallel_ms,
-        iterations=iteration,
-        accepted=accepted,
+        iterations=chain.iterations,
+        accepted=chain.accepted,
         wall_s=time.perf_counter() - start,
         interrupted=interrupted,
         seed=seed,
@@ -270,6 +289,94 @@ def search(
     if verbose:
         out(search_report(result))
     return result
+
+
+@dataclasses.dataclass
+class _Chain:
+    """The search's state. A field changes only after the simulator has
+    committed the change, so Ctrl-C anywhere leaves them consistent."""
+
+    current: Strategy
+    cur_ms: float
+    best: Strategy | None = None
+    best_ms: float = math.inf
+    iterations: int = 0
+    accepted: int = 0
+
+    def __post_init__(self):
+        self.best, self.best_ms = self.current, self.cur_ms
+
+
+class _Stepper:
+    """One iteration of either phase: a config proposed for a group of
+    tied ops, scored by delta simulation, accepted or not, counted."""
+
+    def __init__(
+        self, chain: _Chain, simulator: Any, used: "_DeviceUse | None",
+        alpha: float | None, relative_alpha: float, rng: random.Random,
+        out: Callable[[str], None] | None,
+    ):
+        self.chain, self.simulator = chain, simulator
+        self.used, self.rng, self.out = used, rng, out
+        self.alpha, self.relative_alpha = alpha, relative_alpha
+
+    def try_config(
+        self, names: tuple[str, ...], config: Any, greedy: bool
+    ) -> bool:
+        """Proposes `config` for the ops `names` (one iteration); accepts
+        it by the Metropolis rule, or only when faster if `greedy`.
+
+        Returns False, counting nothing, when it is no proposal: the
+        current config, or one that would leave one device in use (see
+        `search`)."""
+        chain, used = self.chain, self.used
+        current = chain.current
+        if config == current[names[0]] or (
+            used is not None and used.one_device_after(current, names, config)
+        ):
+            return False
+        if len(names) == 1:
+            next_ms = _ms(self.simulator.propose(names[0], config))
+        else:  # a shared layer's calls change together
+            next_ms = _ms(self.simulator.propose_many(
+                {name: config for name in names}
+            ))
+        if greedy:
+            accept = next_ms < chain.cur_ms
+        else:
+            accept = _accept(next_ms, chain.cur_ms, self.alpha,
+                             self.relative_alpha, self.rng)
+        if accept:
+            self.simulator.accept()
+            for name in names:
+                if used is not None:
+                    used.replace(current[name], config)
+                current = current.replace(name, config)
+            chain.current, chain.cur_ms = current, next_ms
+            chain.accepted += 1
+            if next_ms < chain.best_ms:
+                chain.best, chain.best_ms = current, next_ms
+        self.count(next_ms)
+        return True
+
+    def count(self, next_ms: float) -> None:
+        """Ends an iteration; FlexFlow's progress line every 100."""
+        chain = self.chain
+        chain.iterations += 1
+        if self.out is not None and chain.iterations % PROGRESS_EVERY == 0:
+            self.out(
+                f"iter({chain.iterations}) cur({chain.cur_ms:.2f}) "
+                f"next({next_ms:.2f}) best({chain.best_ms:.2f})"
+            )
+
+    def restart(self) -> None:
+        """Back to the best strategy (FlexFlow's periodic reset)."""
+        chain = self.chain
+        if chain.current is not chain.best:
+            chain.current = chain.best
+            chain.cur_ms = _ms(self.simulator.start(chain.best))
+            if self.used is not None:
+                self.used = _DeviceUse(chain.current)
 
 
 class _DeviceUse:

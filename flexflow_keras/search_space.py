@@ -58,6 +58,21 @@ def valid_dims(op: Op, num_devices: int) -> list[tuple[int, ...]]:
     return [dims for _, choices in groups for dims in choices]
 
 
+def sweep_configs(op: Op, num_devices: int) -> list[ParallelConfig]:
+    """Every degree tuple of `op` (`valid_dims`), each on the first
+    devices (`0..parts-1`): what the search's first sweep tries per op.
+
+    Why these: how an op splits decides most of its cost (compute per
+    part, the transfers its neighbours need, its weight sync); where the
+    parts run matters mostly through which nodes they span, which the
+    MCMC chain after the sweep explores.
+    """
+    return [
+        ParallelConfig(dims, tuple(range(math.prod(dims))))
+        for dims in valid_dims(op, num_devices)
+    ]
+
+
 def _device_sets(parts: int, num_devices: int) -> Iterator[tuple[int, ...]]:
     return itertools.permutations(range(num_devices), parts)
 

@@ -13,7 +13,7 @@ import keras
 from flexflow_keras import report as report_lib
 from flexflow_keras import search as search_lib
 from flexflow_keras.keras_graph import build_graph
-from flexflow_keras.search_space import valid_configs
+from flexflow_keras.search_space import sweep_configs, valid_configs
 from flexflow_keras.strategy import ParallelConfig, Strategy
 
 PEAK_FLOPS_PER_MS = 1e7
@@ -169,7 +169,7 @@ class SearchTest(unittest.TestCase):
             return original(inner, strategy)
 
         Recording.start = start
-        result = self.run_search(budget=1000, alpha=0.0,
+        result = self.run_search(budget=1000, alpha=0.0, sweep=0,
                                  simulator=Recording(self.graph))
         self.assertGreater(len(starts), 1)
         self.assertLessEqual(len(starts), 1 + 1000 // 10)
@@ -187,7 +187,8 @@ class SearchTest(unittest.TestCase):
 
     def test_alpha_zero_accepts_every_feasible_proposal(self):
         simulator = FakeSimulator(self.graph)
-        result = self.run_search(budget=100, alpha=0.0, simulator=simulator)
+        result = self.run_search(budget=100, alpha=0.0, sweep=0,
+                                 simulator=simulator)
         self.assertEqual(result.accepted, simulator.calls["propose"])
 
     def test_huge_alpha_accepts_only_improvements(self):
@@ -235,6 +236,65 @@ class SearchTest(unittest.TestCase):
             self.run_search(budget=-1)
         with self.assertRaisesRegex(ValueError, "alpha=-0.5"):
             self.run_search(alpha=-0.5)
+        with self.assertRaisesRegex(ValueError, "between 0 and 1.*"
+                                    "sweep=1.5"):
+            self.run_search(sweep=1.5)
+
+
+class SweepTest(unittest.TestCase):
+    """The first sweep: op after op, heaviest weights first, every degree
+    split on the first devices; a faster strategy kept at once."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.graph = mlp_graph(batch=8, units=(512, 1024, 8), features=512)
+        cls.order = sorted(cls.graph,
+                           key=lambda op: -op.trainable_weight_bytes)
+        # The sweep as specified, by hand: its proposals (the op's
+        # current config is none) and the strategy it ends on.
+        fake = FakeSimulator(cls.graph)
+        state = Strategy.data_parallel(cls.graph, 4)
+        cls.expected = []
+        for op in cls.order:
+            for config in sweep_configs(op, 4):
+                if config == state[op.name]:
+                    continue
+                cls.expected.append((op.name, config))
+                changed = state.replace(op.name, config)
+                if fake.cost(changed).step_ms < fake.cost(state).step_ms:
+                    state = changed
+        cls.swept = state
+
+    def run_sweep(self, budget, sweep=1.0):
+        proposals = []
+
+        class Recording(FakeSimulator):
+            def propose(inner, name, config):
+                proposals.append((name, config))
+                return super().propose(name, config)
+
+        result = search_lib.search(self.graph, Recording(self.graph), 4,
+                                   budget, seed=0, verbose=0, sweep=sweep)
+        return result, proposals
+
+    def test_tries_every_split_heaviest_op_first(self):
+        self.assertEqual([op.name for op in self.order],
+                         ["dense_1", "dense_0", "dense_2"])
+        result, proposals = self.run_sweep(len(self.expected) + 50)
+        self.assertEqual(proposals[:len(self.expected)], self.expected)
+        self.assertEqual(result.iterations, len(self.expected) + 50)
+
+    def test_ends_on_each_ops_fastest_split_in_turn(self):
+        result, _ = self.run_sweep(len(self.expected))  # the sweep only
+        self.assertEqual(result.strategy, self.swept)
+        self.assertNotEqual(self.swept["dense_1"].dims, (4, 1))
+        self.assertLess(result.best_ms, result.data_parallel_ms)
+
+    def test_stops_at_its_share_of_the_budget(self):
+        result, proposals = self.run_sweep(40, sweep=0.25)
+        self.assertEqual(proposals[:10], self.expected[:10])
+        self.assertNotEqual(proposals[10:], self.expected[10:40])
+        self.assertEqual(result.iterations, 40)
 
 
 class ExhaustiveOptimumTest(unittest.TestCase):
@@ -357,7 +417,7 @@ class PropagationTest(unittest.TestCase):
             "dense_1", ParallelConfig((1, 4), (3, 2, 1, 0))
         )
         result = search_lib.search(graph, Recording(graph), 4, 300, seed=0,
-                                   verbose=0, propagation=1.0,
+                                   verbose=0, propagation=1.0, sweep=0,
                                    initial=initial, reset_every=0)
         result.strategy.validate(graph, 4)
         self.assertTrue(proposals)
