@@ -16,14 +16,8 @@ import random
 import time
 
 from flexflow_keras import schedule, search_space
-from flexflow_keras.graph import (
-    PARAMETER,
-    SAMPLE,
-    Op,
-    OpGraph,
-    TensorInfo,
-    WeightInfo,
-)
+from flexflow_keras.graph import PARAMETER, SAMPLE, Op, OpGraph
+from flexflow_keras.graph import TensorInfo, WeightInfo
 from flexflow_keras.machine import load_machine
 from flexflow_keras.simulator import Simulator
 from flexflow_keras.strategy import Strategy

@@ -13,9 +13,8 @@ import sys
 import tempfile
 import unittest
 
-import pytest
-
 import model_zoo
+from case_tests import add_case_tests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEARCH_LINE = "MCMC Search Finished"
@@ -65,15 +64,4 @@ class FlexFlowSuiteTest(unittest.TestCase):
             self.assertNotIn(SEARCH_LINE, imported)
 
 
-def _add(name: str, slow: bool) -> None:
-    def test(self):
-        self.check(name)
-
-    test = pytest.mark.slow(test) if slow else test
-    setattr(FlexFlowSuiteTest, f"test_{name}", test)
-
-
-for _name in QUICK:
-    _add(_name, False)
-for _name in SLOW:
-    _add(_name, True)
+add_case_tests(FlexFlowSuiteTest, QUICK, SLOW)

@@ -9,8 +9,7 @@ import math
 import unittest
 
 import model_zoo
-import pytest
-
+from case_tests import add_case_tests
 from flexflow_keras import search as search_lib
 
 BUDGET = 1000
@@ -38,18 +37,7 @@ class SearchSuiteTest(unittest.TestCase):
             self.assertLessEqual(row["mcmc"], row["reference"] * 1.02)
 
 
-def _add(name: str, slow: bool) -> None:
-    def test(self):
-        self.check(name)
-
-    test = pytest.mark.slow(test) if slow else test
-    setattr(SearchSuiteTest, f"test_{name}", test)
-
-
-for _name in QUICK:
-    _add(_name, slow=False)
-for _name in SLOW:
-    _add(_name, slow=True)
+add_case_tests(SearchSuiteTest, QUICK, SLOW)
 
 
 if __name__ == "__main__":
