@@ -69,8 +69,8 @@ PROGRESS_EVERY = 100
 # benchmark suite (bench/search_bench.py --tune; docs/SEARCH.md).
 RELATIVE_ALPHA = 100.0
 # Most of the budget the first sweep may use. Chosen on the benchmark
-# suite (bench/search_bench.py; docs/SEARCH.md): the sweep ends well
-# below it on most models.
+# suite (bench/search_bench.py --sweep; docs/SEARCH.md): 9 of its 12
+# cases end their sweep below it; the large graphs use it all.
 SWEEP_SHARE = 0.5
 
 
@@ -234,9 +234,9 @@ def search(
         # one op change that op alone). At most `sweep` of the budget.
         limit = int(budget * sweep)
         for op in sorted(ops, key=lambda op: -op.trainable_weight_bytes):
-            names = ties.get(op.name, (op.name,))
             if chain.iterations >= limit:
                 break
+            names = ties.get(op.name, (op.name,))
             if names[0] != op.name:
                 continue  # a shared layer's later call: its owner's turn
             choices = mesh_choices.get(op.name) or sweep_configs(
@@ -373,8 +373,8 @@ class _Stepper:
         """Back to the best strategy (FlexFlow's periodic reset)."""
         chain = self.chain
         if chain.current is not chain.best:
-            chain.current = chain.best
-            chain.cur_ms = _ms(self.simulator.start(chain.best))
+            cur_ms = _ms(self.simulator.start(chain.best))
+            chain.current, chain.cur_ms = chain.best, cur_ms
             if self.used is not None:
                 self.used = _DeviceUse(chain.current)
 
