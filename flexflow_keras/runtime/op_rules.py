@@ -13,6 +13,15 @@ equal to plain Keras:
   values up to the order of float sums); and gathers the inputs of a
   `keras.ops.concatenate` along the batch axis first (DTensor refuses to
   concatenate along a split dim: a GAN joining fake and real batches).
+- `substitutes` also makes every stateless random draw (`tf.random.
+  stateless_*`, what `keras.random.*`, `Dropout`, `GaussianNoise` and
+  the random augmentation layers call, and `tf.nn.experimental.
+  stateless_dropout`) come out replicated: each device draws the whole
+  tensor at its global shape, so the values are what plain Keras draws on
+  one device from the same seed (DTensor's own rule for a split output
+  mixes each device's id into the seed: other values, measured).
+  Consumers take their slice locally; the cost is the draw's redundant
+  compute, no communication.
 - `stateless_random(state)`: TensorFlow's stateful random ops
   (`tf.random.uniform/normal/truncated_normal` in a script's own step,
   as in keras.io's GAN examples) are refused by DTensor; while a step is
@@ -41,7 +50,9 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import tensorflow as tf
+from keras import tree
 from tensorflow.experimental import dtensor
+from tensorflow.python.ops import stateless_random_ops
 from keras.src.backend.tensorflow import nn as tf_nn
 from keras.src.backend.tensorflow import numpy as tf_numpy
 
@@ -140,11 +151,57 @@ def _concatenate_on(mesh: Any, keras_concatenate: Any) -> Any:
     return concatenate
 
 
+# Stateless draws, by their name in `tf.random` (and in
+# `stateless_random_ops`, which `tf.nn.experimental.stateless_dropout` and
+# `tf.image.stateless_random_*` call).
+_DRAWS = {
+    "stateless_uniform": "stateless_random_uniform",
+    "stateless_normal": "stateless_random_normal",
+    "stateless_truncated_normal": "stateless_truncated_normal",
+    "stateless_categorical": "stateless_categorical",
+    "stateless_gamma": "stateless_random_gamma",
+    "stateless_binomial": "stateless_random_binomial",
+    "stateless_poisson": "stateless_random_poisson",
+    "stateless_parameterized_truncated_normal":
+        "stateless_parameterized_truncated_normal",
+}
+
+
+def replicated_draw(draw: Any, mesh: Any) -> Any:
+    """`draw` (a stateless random op) with its output whole on every
+    device of `mesh`: the values plain TensorFlow draws on one device."""
+
+    def run(*args, **kwargs):
+        def whole(value):
+            if isinstance(value, tf.Tensor) and value.shape.rank is not None:
+                return dtensor.relayout(
+                    value, dtensor.Layout.replicated(mesh, value.shape.rank)
+                )
+            return value
+
+        return tree.map_structure(whole, draw(*args, **kwargs))
+
+    return run
+
+
+def _draw_substitutes(mesh: Any) -> list[tuple[Any, str, Any]]:
+    """(module, name, replacement) for every stateless draw."""
+    found = []
+    for api_name, module_name in _DRAWS.items():
+        for module, name in ((tf.random, api_name),
+                             (stateless_random_ops, module_name)):
+            if hasattr(module, name):
+                found.append((module, name,
+                              replicated_draw(getattr(module, name), mesh)))
+    return found
+
+
 @contextlib.contextmanager
 def substitutes(mesh: Any) -> Iterator[None]:
     """While a DTensor step on `mesh` is traced: Keras ops built from
-    ops that DTensor has rules for."""
-    saved = [
+    ops that DTensor has rules for, and random draws that equal plain
+    TensorFlow's."""
+    saved = _draw_substitutes(mesh) + [
         (tf_numpy, "flip", flip_by_gather),
         (tf_numpy, "concatenate", _concatenate_on(
             mesh, tf_numpy.concatenate

@@ -209,8 +209,10 @@ class Executor:
             mapping = [
                 (v, self.store.dvariable(v)) for v in trainable + non_trainable
             ]
-            is_layer = isinstance(layer, keras.layers.Layer)
-            if is_layer and "training" not in kwargs:
+            if getattr(layer, "_call_has_training_arg", False):
+                # As Keras's Functional.call does: the step's mode wins
+                # over the value recorded when the model was built (a
+                # layer's default: Dropout's False, RandomFlip's True).
                 kwargs = dict(kwargs, training=training)
             with StatelessScope(
                 state_mapping=mapping, collect_losses=True
