@@ -13,6 +13,8 @@ from typing import Any
 import tensorflow as tf
 from keras import tree
 
+from flexflow_keras.runtime import fresh_state
+
 
 def keras_function(
     model: Any,
@@ -32,6 +34,7 @@ def keras_function(
     """
     if kind == "predict":
 
+        @_between_steps
         def predict_function(batches):
             outputs = None
             for batch in batches:
@@ -46,6 +49,7 @@ def keras_function(
 
         return predict_function
 
+    @_between_steps
     def function(iterator):
         logs = None
         for _ in range(model.steps_per_execution):
@@ -62,3 +66,16 @@ def keras_function(
         return logs
 
     return function
+
+
+def _between_steps(function: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`function` after the Keras values a callback wrote since the last
+    step went in, its own variable reads and writes not watched
+    (`fresh_state`)."""
+
+    def run(arg):
+        fresh_state.settle()
+        with fresh_state.quiet():
+            return function(arg)
+
+    return run

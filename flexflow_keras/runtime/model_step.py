@@ -37,7 +37,7 @@ from keras.src.ops.operation import Operation
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 from tensorflow.experimental import dtensor
 
-from flexflow_keras.runtime import deferred, op_rules
+from flexflow_keras.runtime import deferred, fresh_state, op_rules
 from flexflow_keras.runtime.fallback import fall_back
 from flexflow_keras.runtime.keras_functions import keras_function
 from flexflow_keras.runtime.layouts import OpPlan, replicated
@@ -161,6 +161,7 @@ class ModelStepExecutor:
             )
             self._pairs.append((var, step_var, layout))
             self._key_map[step_var._unique_id] = var.value._unique_id
+            fresh_state.watch(self, [var])
             added = True
         if not self._constants:
             self._constants = layer_constants(self.model, self.mesh)

@@ -22,7 +22,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from tensorflow.experimental import dtensor
 
 from flexflow_keras.keras_graph import fill_arguments, function_of
-from flexflow_keras.runtime import op_rules
+from flexflow_keras.runtime import fresh_state, op_rules
 from flexflow_keras.runtime.fallback import fall_back
 from flexflow_keras.runtime.keras_functions import keras_function
 from flexflow_keras.runtime.tracing import step_function
@@ -133,6 +133,19 @@ class Executor:
         self.trainable = [
             v for v in model.trainable_variables if id(v) in known
         ]
+        self._watch()
+
+    def _watch(self) -> None:
+        """Weights and optimizer slots live here while training (the
+        step counter and learning rate stay Keras's eager variables):
+        reads and writes between steps sync (`fresh_state`)."""
+        optimizer = getattr(self.model, "optimizer", None)
+        eager = {id(getattr(optimizer, name, None))
+                 for name in ("iterations", "_learning_rate")}
+        fresh_state.watch(self, self.store.keras_variables() + [
+            v for v in getattr(optimizer, "variables", ())
+            if id(v) not in eager
+        ])
 
     def _check_shared_weights(self) -> None:
         """A shared layer's calls must run in one segment: each segment's
@@ -170,8 +183,9 @@ class Executor:
         """DVariables -> Keras values, if training changed them."""
         if self.dirty:
             self.store.pull()
-            self.updater.pull()
+            self.updater.pull()  # may build the Keras optimizer's slots
             self.dirty = False
+            self._watch()
 
     # -- graph pieces (trace time) ------------------------------------------
 

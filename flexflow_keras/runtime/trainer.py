@@ -14,8 +14,10 @@ callback's `on_epoch_end`, so ModelCheckpoint and custom callbacks see the
 trained values), after `fit`, and before `get_weights`, `save` and
 `save_weights`. Keras values are copied in at the start of each epoch, of
 `evaluate` and `predict` (so `set_weights`, `load_weights` and
-EarlyStopping's restore take effect). Per-batch callbacks that read
-variables directly see the values of the last epoch end.
+EarlyStopping's restore take effect). Between those, a Keras variable a
+callback reads or writes is synced when it does (`fresh_state.py`): it
+sees each step's values, and what it writes is what the next step
+trains from.
 """
 
 import warnings
@@ -24,7 +26,7 @@ from typing import Any
 import keras
 
 from flexflow_keras.model_state import state_of
-from flexflow_keras.runtime import clients, layouts, op_rules
+from flexflow_keras.runtime import clients, fresh_state, layouts, op_rules
 from flexflow_keras.runtime.model_step import ModelStepExecutor, one_mesh
 from flexflow_keras.runtime.step import Executor, single_device
 
@@ -226,15 +228,19 @@ class StrategyTrainer:
             self._sync_out()
 
     def reset_metrics(self):
-        super().reset_metrics()
         sync = getattr(self.strategy_executor, "sync_metrics_in", None)
-        if sync is not None:
+        if sync is None:
+            return super().reset_metrics()
+        with fresh_state.quiet():  # the metric state goes in right here
+            super().reset_metrics()
             sync()
 
     def get_metrics_result(self):
         sync = getattr(self.strategy_executor, "sync_metrics_out", None)
         if sync is not None and tf_executing_eagerly():
-            sync()
+            with fresh_state.quiet():  # only the metric state comes out
+                sync()
+                return super().get_metrics_result()
         return super().get_metrics_result()
 
 

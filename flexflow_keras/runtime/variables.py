@@ -13,6 +13,7 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from flexflow_keras.runtime import fresh_state
 from flexflow_keras.runtime.layouts import OpPlan, replicated
 from flexflow_keras.runtime.tracing import step_function
 
@@ -71,15 +72,18 @@ class Transfers:
         """Keras values -> DVariables (laid out as each pair says)."""
         if pairs:
             assign_all = self._compiled("in", pairs, _assign_all)
-            assign_all([replicate(var.value, self._mesh)
-                        for var, _, _ in pairs])
+            with fresh_state.quiet():
+                values = [replicate(var.value, self._mesh)
+                          for var, _, _ in pairs]
+            assign_all(values)
 
     def copy_out(self, pairs: list[tuple[Any, Any, Any]]) -> None:
         """DVariables -> Keras values (the shards gathered)."""
         if pairs:
             read_all = self._compiled("out", pairs, _read_all)
-            for (var, _, _), value in zip(pairs, read_all()):
-                var.assign(dtensor.unpack(value)[0])
+            with fresh_state.quiet():
+                for (var, _, _), value in zip(pairs, read_all()):
+                    var.assign(dtensor.unpack(value)[0])
 
     def _compiled(self, direction: str, pairs: list, make: Any) -> Any:
         """The compiled `make(pairs)`, traced once per variable set."""
