@@ -13,7 +13,8 @@ equal to plain Keras:
   values up to the order of float sums); and gathers the inputs of a
   `keras.ops.concatenate` along the batch axis first (DTensor refuses to
   concatenate along a split dim: a GAN joining fake and real batches).
-- `substitutes` also makes every stateless random draw (`tf.random.
+- `substitutes` also makes `tf.argmax`/`argmin` (below) and every
+  stateless random draw (`tf.random.
   stateless_*`, what `keras.random.*`, `Dropout`, `GaussianNoise` and
   the random augmentation layers call, and `tf.nn.experimental.
   stateless_dropout`) come out replicated: each device draws the whole
@@ -168,8 +169,9 @@ _DRAWS = {
 
 
 def replicated_draw(draw: Any, mesh: Any) -> Any:
-    """`draw` (a stateless random op) with its output whole on every
-    device of `mesh`: the values plain TensorFlow draws on one device."""
+    """`draw` (a stateless random op, or `tf.argmax`) with its output
+    whole on every device of `mesh`: the values plain TensorFlow draws on
+    one device."""
 
     def run(*args, **kwargs):
         def whole(value):
@@ -185,8 +187,17 @@ def replicated_draw(draw: Any, mesh: Any) -> Any:
 
 
 def _draw_substitutes(mesh: Any) -> list[tuple[Any, str, Any]]:
-    """(module, name, replacement) for every stateless draw."""
-    found = []
+    """(module, name, replacement) for every stateless draw, and for
+    `tf.argmax`/`argmin`: DTensor's ArgMax gives a split output of a
+    replicated input without slicing it (measured: "SPMD expansion
+    resulted in op output inconsistent with the provided layout.
+    Expected shape: <128,3> got shape: <32,3>", Keras's accuracy on
+    one-hot targets of integer or boolean dtype, whose argmax sees no
+    cast), so its output is pinned whole as well."""
+    found = [
+        (module, name, replicated_draw(getattr(module, name), mesh))
+        for module in (tf, tf.math) for name in ("argmax", "argmin")
+    ]
     for api_name, module_name in _DRAWS.items():
         for module, name in ((tf.random, api_name),
                              (stateless_random_ops, module_name)):
