@@ -29,7 +29,8 @@ from collections.abc import Callable
 
 from flexflow_keras.graph import Op, OpGraph
 from flexflow_keras.strategy import (
-    ParallelConfig, Strategy, data_parallel_config, validate_config,
+    ParallelConfig, Strategy, data_parallel_config, largest_divisor,
+    validate_config,
 )
 
 RNN_TYPES = frozenset({"LSTM", "GRU", "SimpleRNN", "Bidirectional", "RNN"})
@@ -46,8 +47,7 @@ def _channel_split(op: Op, num_devices: int) -> ParallelConfig | None:
     dim = op.parameter_dim
     if dim is None:
         return None
-    size = op.output_shape[dim]
-    degree = max(d for d in range(1, num_devices + 1) if size % d == 0)
+    degree = largest_divisor(op.output_shape[dim], num_devices)
     if degree == 1:
         return None
     dims = [1] * op.rank

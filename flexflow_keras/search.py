@@ -81,7 +81,9 @@ class SearchResult:
     Args:
         strategy: The best strategy found.
         best_ms: Its simulated step time (ms).
-        data_parallel_ms: Simulated step time of data parallelism (ms);
+        data_parallel_ms: Simulated step time of data parallelism (ms),
+            `Strategy.data_parallel` (a batch the devices do not divide
+            split as far as it divides, other dims for the rest);
             `inf` when data parallelism does not fit in memory.
         iterations: Iterations run (fewer than the budget if stopped).
         accepted: Proposals accepted.
@@ -273,7 +275,7 @@ def search(
     one_device_ms = math.nan
     if used is not None:
         one_device_ms = _ms(simulator.simulate(Strategy.data_parallel(
-            graph, 1
+            graph, 1  # every op whole on device 0, for any batch
         )))
     result = SearchResult(
         strategy=chain.best,

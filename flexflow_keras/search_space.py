@@ -207,15 +207,26 @@ def tie_shared(
 
 def one_mesh_configs(op: Op, parts: int) -> list[ParallelConfig]:
     """The configs of `op` on the mesh of devices `0..parts-1`: one
-    partitionable dim split `parts` ways, sample split first. An op that
-    may split nothing (`capabilities`: DTensor runs it only replicated)
-    gets the unsplit config on device 0, which the runtime runs
-    replicated on the mesh (`runs_on_the_mesh`); so does every op when
-    `parts` is 1."""
+    partitionable dim split `parts` ways, sample split first
+    (`one_mesh_splits`). An op with none of those (it may split nothing,
+    as DTensor runs it only replicated, or `parts` divides none of its
+    splittable dims, as a convolution's batch of 50 on 4 devices) gets
+    the unsplit config on device 0, which the runtime runs replicated on
+    the mesh (`runs_on_the_mesh`); so does every op when `parts` is 1.
+    Never empty: every batch size has a space."""
+    return one_mesh_splits(op, parts) or [
+        ParallelConfig((1,) * max(op.rank, 1), (0,))
+    ]
+
+
+def one_mesh_splits(op: Op, parts: int) -> list[ParallelConfig]:
+    """The configs of `op` that split one dim it may partition `parts`
+    ways (a degree dividing that dim) over devices `0..parts-1`, sample
+    dim first; empty when `parts` is 1 or divides none of them."""
+    if parts == 1:
+        return []
     rank = max(op.rank, 1)
     ids = tuple(range(parts))
-    if parts == 1 or not op.partitionable:
-        return [ParallelConfig((1,) * rank, (0,))]
     shape = op.output_shape or (1,)
     return [
         ParallelConfig(
@@ -227,17 +238,31 @@ def one_mesh_configs(op: Op, parts: int) -> list[ParallelConfig]:
 
 
 def one_mesh_devices(graph: OpGraph, num_devices: int) -> int:
-    """The most devices (<= `num_devices`) one mesh can hold for every
-    op of `graph`: each op must split some dim that many ways."""
+    """The devices (<= `num_devices`) of the one mesh a model's ops share.
+
+    The most devices at which every op that may split something splits
+    some dim (`one_mesh_splits`): a batch of 50 on 4 devices gives a
+    mesh of 2 when an op splits only the batch, of 4 when each op
+    splits another dim 4 ways. When no mesh of 2 or more lets every op
+    split (a batch of 7 through a convolution), the mesh where the most
+    ops split (the larger on ties), the others replicated on it; 1 when
+    no op splits on any.
+    """
+    splittable = [op for op in graph if op.partitionable]
+    best, best_split = 1, 0
     for parts in range(num_devices, 1, -1):
-        if all(one_mesh_configs(op, parts) for op in graph):
+        split = sum(1 for op in splittable if one_mesh_splits(op, parts))
+        if split == len(splittable):
             return parts
-    return 1
+        if split > best_split:
+            best, best_split = parts, split
+    return best
 
 
 def one_mesh_data_parallel(graph: OpGraph, parts: int) -> Strategy:
     """Every op on the one mesh of `parts` devices, splitting the batch
-    where it can (else its first partitionable dim that divides)."""
+    where it can (else its first partitionable dim that divides, else
+    replicated on the mesh)."""
     return Strategy(
         {op.name: one_mesh_configs(op, parts)[0] for op in graph}
     )

@@ -55,17 +55,43 @@ class ParallelConfig:
         return f"num_dims({len(self.dims)}) dims[{dims}] device_ids[{ids}]"
 
 
-def data_parallel_config(op: Op, num_devices: int) -> ParallelConfig:
-    """Batch split over devices 0..n-1, the search's starting point.
+def largest_divisor(size: int, limit: int) -> int:
+    """The most parts (<= `limit`) that split `size` evenly; 1 at least.
 
-    An op whose batch dim may not be split (or does not divide) runs
-    whole on device 0, the only valid config without a sample split.
+    The one rule for a dim that `limit` devices do not divide: split it
+    as far as it divides (a batch of 50 on 4 devices: 2 parts), never
+    pad it, which would change losses, metrics and BatchNormalization
+    statistics.
     """
-    batch = op.output_shape[0] if op.rank else 1
-    splittable = 0 in op.partitionable and batch % num_devices == 0
-    degree = num_devices if splittable else 1
-    dims = (degree,) + (1,) * max(op.rank - 1, 0)
-    return ParallelConfig(dims, tuple(range(degree)))
+    return max(
+        d for d in range(1, max(min(size, limit), 1) + 1) if size % d == 0
+    )
+
+
+def data_parallel_config(op: Op, num_devices: int) -> ParallelConfig:
+    """Data parallelism for one op, whatever its batch: the search's
+    starting point and the baseline it is measured against.
+
+    The batch splits over as many devices as divide it
+    (`largest_divisor`); a batch that `num_devices` does not divide
+    (50, 7 or 1 on 4 devices) leaves devices over, which the op's
+    largest split of one other dim it may partition takes (`(2, 2)` for
+    a Dense at batch 50), so the baseline still uses the machine. An op
+    whose batch dim may not be split runs whole on device 0, the only
+    valid config without a sample split.
+    """
+    shape = op.output_shape or (1,)
+    dims = [1] * max(op.rank, 1)
+    if 0 in op.partitionable:
+        dims[0] = largest_divisor(shape[0], num_devices)
+        rest = num_devices // dims[0]
+        others = [d for d in sorted(op.partitionable) if 0 < d < len(dims)]
+        if rest > 1 and others:
+            # The first dim reaching the largest degree: ops in a chain
+            # then split the same dim (sequence before channels).
+            best = max(others, key=lambda d: largest_divisor(shape[d], rest))
+            dims[best] = largest_divisor(shape[best], rest)
+    return ParallelConfig(tuple(dims), tuple(range(math.prod(dims))))
 
 
 def validate_config(
@@ -140,17 +166,9 @@ class Strategy(Mapping):
 
     @classmethod
     def data_parallel(cls, graph: OpGraph, num_devices: int) -> "Strategy":
-        """Every op splits the batch over all devices.
-
-        Raises a ValueError when the batch does not divide evenly.
-        """
-        if graph.batch_size % num_devices:
-            raise ValueError(
-                "Data parallelism needs the global batch to divide evenly "
-                f"over the devices. Received: batch_size={graph.batch_size}"
-                f", num_devices={num_devices}. Use a batch size that is a "
-                f"multiple of {num_devices}."
-            )
+        """Every op's `data_parallel_config`: the batch split over all
+        devices where it divides evenly, else as far as it divides with
+        other dims for the rest. Valid for any batch size."""
         return cls(
             {op.name: data_parallel_config(op, num_devices) for op in graph}
         )

@@ -264,7 +264,8 @@ def complete(
     configs: dict, graph: OpGraph, num_devices: int, where: str
 ) -> Strategy:
     """A validated strategy from file configs; missing ops get data
-    parallelism with one warning that lists them."""
+    parallelism (`data_parallel_config`, valid for any batch) with one
+    warning that lists them."""
     if not configs:
         raise ValueError(
             f"{where} holds no ops. Received an empty strategy; export one "
@@ -285,7 +286,6 @@ def complete(
             f"data parallelism: {missing}",
             stacklevel=3,
         )
-        Strategy.data_parallel(graph, num_devices)  # batch check
     full = {
         op.name: configs.get(op.name) or data_parallel_config(op, num_devices)
         for op in graph

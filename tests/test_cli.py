@@ -109,6 +109,13 @@ class CliTest(unittest.TestCase):
         self.assertEqual(code, 0)
         self.assertIn("speed-up 1.00x", out)
 
+    def test_simulate_plans_a_batch_the_devices_do_not_divide(self):
+        # Issue 21: batch 6 on 4 devices splits 3 ways, never an error.
+        code, out, err = run("simulate", self.model_path, "--machine",
+                             "v100x4", "--batch-size", "6")
+        self.assertEqual(code, 0, err)
+        self.assertIn("speed-up 1.00x", out)
+
     def test_errors_are_one_line_and_status_2(self):
         bad = self.path("bad.pb")
         with open(bad, "wb") as f:
@@ -121,10 +128,6 @@ class CliTest(unittest.TestCase):
                            "--batch-size", "16", "--machine", "v100x4")
         self.assertEqual(code, 2)
         self.assertIn("Cannot load the model", err)
-        code, _, err = run("simulate", self.model_path, "--machine",
-                           "v100x4", "--batch-size", "6")
-        self.assertEqual(code, 2)
-        self.assertIn("multiple of 4", err)
 
     def test_python_dash_m_reads_package_flags(self):
         # --machine/--budget/--seed/--export are taken out of sys.argv at

@@ -152,10 +152,11 @@ class CompilePlanTest(unittest.TestCase):
         with self.assertRaisesRegex(TypeError, "search_budgte"):
             small_mlp().compile("sgd", "mse", search_budgte=3)
 
-    def test_batch_not_divisible_by_devices_says_so(self):
+    def test_batch_not_divisible_by_devices_plans(self):
+        # Issue 21: batch 6 on 4 devices splits 3 ways, never an error.
         model = small_mlp()
-        with self.assertRaisesRegex(ValueError, "batch_size=6"):
-            model.compile("sgd", "mse", batch_size=6, search_budget=0)
+        model.compile("sgd", "mse", batch_size=6, search_budget=0)
+        self.assertEqual(model.strategy["hidden"].dims[0], 3)
 
 
 class DropInTest(unittest.TestCase):

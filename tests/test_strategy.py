@@ -82,11 +82,14 @@ class StrategyTest(unittest.TestCase):
             self.assertEqual(config, ParallelConfig((4, 1), (0, 1, 2, 3)))
         strategy.validate(self.graph, 4)
 
-    def test_data_parallel_needs_divisible_batch(self):
-        with self.assertRaisesRegex(
-            ValueError, "batch_size=8, num_devices=3.*multiple of 3"
-        ):
-            Strategy.data_parallel(self.graph, 3)
+    def test_data_parallel_splits_the_batch_as_far_as_it_divides(self):
+        # 3 devices do not divide batch 8: 2 parts of the batch, and the
+        # Dense ops (6 channels) split their channels too; `relu` may
+        # split only the batch. Issue 21: never an error.
+        strategy = Strategy.data_parallel(self.graph, 3)
+        strategy.validate(self.graph, 3)
+        self.assertEqual(strategy["dense_0"], ParallelConfig((2, 1), (0, 1)))
+        self.assertEqual(strategy["relu"], ParallelConfig((2, 1), (0, 1)))
 
     def test_replace_returns_new_strategy(self):
         strategy = Strategy.data_parallel(self.graph, 2)
