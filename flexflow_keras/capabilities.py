@@ -21,6 +21,9 @@ fact about what DTensor runs of a layer type lives here, in `TABLE`:
   a one-mesh runtime runs replicated on the mesh (every device computes
   it whole), and the simulator prices it whole (on the live machine,
   with every device's copy of the work where devices share compute).
+- `error`: why DTensor cannot run the type at all (the lookup layers:
+  their hash-table ops crash it, `crashing_ops`); a model with one
+  trains as plain Keras, with one warning naming it (`apply_probes`).
 
 Measured on TF 2.21, CPU, and checked by tests: every declared split
 runs forward and backward on DTensor and equals the unsplit op
@@ -79,11 +82,16 @@ class Splits(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Capability:
-    """What DTensor runs of one layer type (see the module docstring)."""
+    """What DTensor runs of one layer type (see the module docstring).
+
+    `error` says why DTensor cannot run the type at all, not even
+    replicated (None: it runs); a model with it trains as plain Keras.
+    """
 
     splits: Callable[[LayerCall], Splits]
     inputs: str = MATCHING
     replicated_ops: tuple[str, ...] = ()
+    error: str | None = None
 
 
 class Unsupported(Exception):
@@ -216,6 +224,46 @@ BINARY_OPS = (
     "Minimum",
 )
 
+# TensorFlow ops that crash the process under DTensor (measured, TF 2.21:
+# a segmentation fault), so nothing runs them there; `crashing_ops`
+# finds them in a traced graph. Python inside the graph crashes DTensor
+# outright. An op on a lookup table (StringLookup, IntegerLookup,
+# TextVectorization, `tf.lookup`) raises "does not implement layout
+# propagation" without its replicated switch and crashes with it
+# (measured: LookupTableFindV2 and LookupTableSizeV2, static and mutable
+# tables); every `LookupTable*` op takes the same table resource, so all
+# are refused.
+CRASH_OPS = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
+CRASH_OP_PREFIXES = ("LookupTable",)
+
+
+def crashing_ops(op_types: Iterable[str]) -> tuple[str, ...]:
+    """The op types in `op_types` that crash DTensor (`CRASH_OPS`)."""
+    return tuple(sorted(
+        t for t in set(op_types)
+        if t in CRASH_OPS or t.startswith(CRASH_OP_PREFIXES)
+    ))
+
+
+def crash_reason(crashing: Iterable[str]) -> str:
+    """Why a layer running `crashing` (`crashing_ops`) cannot run on
+    DTensor, in words for the plain-Keras warning."""
+    crashing = sorted(crashing)
+    names = ", ".join(crashing)
+    if any(t.startswith(CRASH_OP_PREFIXES) for t in crashing):
+        return (
+            f"it looks values up in a hash table ({names}: tf.lookup, "
+            "StringLookup, IntegerLookup), which crashes TensorFlow's "
+            "DTensor even replicated; do the lookup in the tf.data "
+            "pipeline (dataset.map) and feed the model the indices"
+        )
+    return (
+        f"it runs Python inside the graph ({names}: tf.numpy_function / "
+        "tf.py_function), which DTensor cannot run; write it with "
+        "TensorFlow or keras.ops"
+    )
+
+
 # TensorFlow ops DTensor has no rule for, by the layers that emit them.
 _AVG_POOL_GRAD = {1: "AvgPoolGrad", 2: "AvgPoolGrad", 3: "AvgPool3DGrad"}
 _DEPTHWISE_GRADS = (
@@ -229,6 +277,9 @@ def _table() -> dict[str, Capability]:
 
     def replicated(*ops: str) -> Capability:
         return Capability(_replicated, replicated_ops=ops)
+
+    def cannot_run(why: str) -> Capability:
+        return Capability(_replicated, error=why)
 
     table = {
         "Dense": Capability(_dense),
@@ -253,6 +304,23 @@ def _table() -> dict[str, Capability]:
             )
             for kind in ("Rotation", "Zoom", "Translation", "Shear")
         },
+        # Preprocessing layers. Normalization's mean and variance are
+        # plain tensors the runtime replicates (`layer_constants`).
+        "Normalization": sample,
+        "Discretization": replicated("Bucketize"),
+        # multi_hot and count (one_hot needs none).
+        "CategoryEncoding": replicated("DenseBincount"),
+        # Integer inputs (string inputs need none).
+        "Hashing": replicated("AsString"),
+        "StringLookup": cannot_run(crash_reason(["LookupTableFindV2"])),
+        "IntegerLookup": cannot_run(crash_reason(["LookupTableFindV2"])),
+        "TextVectorization": cannot_run(crash_reason(["LookupTableFindV2"])),
+        # SparseCross has no rule, and even with its switch on
+        # SparseToDense has no layout for its result.
+        "HashedCrossing": cannot_run(
+            "its SparseCross / SparseToDense have no DTensor layout even "
+            "replicated; cross the features in the tf.data pipeline"
+        ),
     }
     for n in (1, 2, 3):
         table[f"Conv{n}D"] = sample
@@ -387,16 +455,35 @@ class Probed:
         )
 
 
+def cannot_run(graph: Any) -> dict[str, str]:
+    """Op name -> why DTensor cannot run it, for the ops of `graph` whose
+    layer type the table lists as such (`Capability.error`)."""
+    found = {}
+    for op in graph:
+        capability = listed(op.layer) if op.layer is not None else None
+        if capability is not None and capability.error:
+            found[op.name] = capability.error
+    return found
+
+
 def apply_probes(graph: Any, probed: Mapping[str, Probed]) -> Any:
     """`graph` with the probed ops' splits: unchanged (the batch) for a
     layer that runs as is, none for one that runs only replicated.
 
     Raises:
-        Unsupported: naming each op that does not run on DTensor at all.
+        Unsupported: naming each op that does not run on DTensor at all,
+            probed so or listed so (`cannot_run`).
     """
-    failed = {name: p.error for name, p in probed.items() if p.error}
+    failed = cannot_run(graph)
+    failed.update({name: p.error for name, p in probed.items() if p.error})
     if failed:
-        listing = "; ".join(f"'{n}': {e}" for n, e in sorted(failed.items()))
+        by_reason: dict[str, list[str]] = {}
+        for name, error in sorted(failed.items()):
+            by_reason.setdefault(error, []).append(f"'{name}'")
+        listing = "; ".join(
+            f"{', '.join(names)}: {error}"
+            for error, names in by_reason.items()
+        )
         raise Unsupported(
             f"TensorFlow's DTensor cannot run these layers, even "
             f"replicated: {listing}"

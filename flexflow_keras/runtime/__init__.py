@@ -8,7 +8,8 @@ keep one mesh); `probe_graph(graph)` learns what DTensor runs of layers
 the capability table does not list.
 """
 
-from flexflow_keras import devices
+from flexflow_keras import capabilities, devices
+from flexflow_keras.runtime import fresh_state  # noqa: F401 - hooks Keras variables
 from flexflow_keras.runtime import probe
 from flexflow_keras.runtime.support import own_step_reasons
 from flexflow_keras.runtime.trainer import StrategyTrainer
@@ -33,7 +34,8 @@ def probe_graph(graph):
                 "cannot be probed. Train this model on one host, or "
                 "replace those layers with listed Keras layers."
             )
-        return graph
+        # Listed layers DTensor cannot run (lookups) are refused here too.
+        return capabilities.apply_probes(graph, {})
     return probe.probe_graph(graph, devices.device_names())
 
 

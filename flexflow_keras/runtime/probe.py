@@ -5,23 +5,42 @@ it does not list (a script's own class, a Keras layer not measured here)
 is probed before the search proposes anything for it, so that nothing
 fails half-way through a training step:
 
-1. Its call runs forward and backward once in plain TensorFlow, on
-   inputs shaped like the graph's (a batch of 4). If that fails the
-   probe says nothing (the layer keeps the default batch split; it may
-   only need real data).
-2. It runs the same on a 2-device DTensor mesh, batch split, inside the
-   runtime's op substitutes and RNN unrolling. An error naming an op
-   that has no DTensor layout rule turns on DTensor's replicated switch
-   for that op (`op_rules.enable`) and the probe runs again.
-3. If it still fails, it runs once more with every input replicated.
-4. What it needed is a `capabilities.Probed`: nothing (the layer splits
+1. Its call is traced forward and backward in plain TensorFlow, on
+   inputs shaped like the graph's (a batch of 4; strings empty). An op
+   type that crashes DTensor (`capabilities.crashing_ops`: Python in
+   the graph, hash-table lookups) decides at once, from the traced
+   graph, before anything runs: the layer cannot run on DTensor.
+2. It runs once in plain TensorFlow. If that fails the probe says
+   nothing (the layer keeps the default batch split; it may only need
+   real data).
+3. It runs the same on a 2-device DTensor mesh, batch split, inside the
+   runtime's op substitutes, RNN unrolling and replicated layer
+   constants. An error naming an op that has no DTensor layout rule
+   turns on DTensor's replicated switch for that op
+   (`op_rules.enable`; never for a crashing op) and the probe runs
+   again.
+4. If it still fails, it runs once more with every input replicated.
+5. What it needed is a `capabilities.Probed`: nothing (the layer splits
    its batch), replicated ops or replicated inputs (the layer declares
    no split and runs replicated), or an error (it cannot run on DTensor:
    the model trains as plain Keras, decided before the search).
 
+A layer type the table lists as unable to run (`Capability.error`: the
+lookup layers) is not probed: the model trains as plain Keras.
+
+Why no child process runs the DTensor part (so that a crash would be
+caught): a fresh `python -c` would have to rebuild the layer, which
+`keras.saving` does for Keras's own layers but not for a class defined
+in the user's `__main__` (the layers probes exist for), and would pay
+TensorFlow's import and the virtual devices' setup per probe; a child
+made by `os.fork` hangs in its first DTensor function (measured:
+TensorFlow's thread pools do not survive the fork). The op types decide
+before running instead; a crash of an op type not yet known is not
+caught.
+
 Results are cached on disk (`~/.cache/flexflow_keras/capabilities.json`)
-by layer class, config, input shapes and dtypes and TensorFlow version:
-a layer type is probed once per machine.
+by layer class, config, input shapes and dtypes, TensorFlow version and
+the probe's version: a layer type is probed once per machine.
 """
 
 import contextlib
@@ -42,15 +61,17 @@ from flexflow_keras.graph import Op, OpGraph
 from flexflow_keras.keras_graph import fill_arguments
 from flexflow_keras.runtime import op_rules
 from flexflow_keras.runtime.unroll import unrolled
+from flexflow_keras.runtime.variables import attributes_set
+from flexflow_keras.runtime.variables import layer_constants
 from flexflow_keras.runtime.variables import replicate
 
 DEFAULT_CACHE_PATH = os.path.join(disk_cache.CACHE_DIR, "capabilities.json")
 PROBE_BATCH = 4
 _MAX_SWITCHES = 4  # ops turned replicated before a probe gives up
+# In the cache key: results of earlier probes (which ran layers without
+# their replicated constants or string inputs) are not reused.
+_PROBE_VERSION = "probe2"
 _MISSING_RULE = re.compile(r"'tf\.(\w+)' op does not implement")
-# Ops that crash the process under DTensor (measured, TF 2.21: a
-# segmentation fault), so the probe never runs them there.
-_CRASH_DTENSOR = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
 
 
 def probe_graph(
@@ -63,6 +84,8 @@ def probe_graph(
     Raises:
         capabilities.Unsupported: a layer DTensor cannot run at all.
     """
+    if capabilities.cannot_run(graph):  # listed so: nothing to probe
+        return capabilities.apply_probes(graph, {})
     ops = [op for op in graph if needs_probe(op)]
     if not ops or len(device_names) < 2:
         return graph
@@ -76,6 +99,11 @@ def probe_graph(
             probed = probe_op(op, graph, mesh)
             if probed is not None:
                 cache.put(key, probed)
+        crashing = capabilities.crashing_ops(
+            probed.replicated_ops if probed is not None else ()
+        )
+        if crashing:  # never switched on, whatever a cache says
+            probed = Probed(error=capabilities.crash_reason(crashing))
         if probed is not None:
             op_rules.enable(probed.replicated_ops)
             found[op.name] = probed
@@ -95,7 +123,7 @@ def needs_probe(op: Op) -> bool:
 
 def probe_key(op: Op, graph: OpGraph) -> str:
     """Cache key: layer class, config, non-batch input shapes and dtypes,
-    TensorFlow version."""
+    TensorFlow version, the probe's version."""
     cls = type(op.layer)
     try:
         config = json.dumps(op.layer.get_config(), sort_keys=True,
@@ -110,6 +138,7 @@ def probe_key(op: Op, graph: OpGraph) -> str:
             for t in op.inputs
         ),
         f"tf{tf.__version__}",
+        _PROBE_VERSION,
     ]
     return "|".join(parts)
 
@@ -117,19 +146,18 @@ def probe_key(op: Op, graph: OpGraph) -> str:
 def probe_op(op: Op, graph: OpGraph, mesh: Any) -> Probed | None:
     """What running `op` on `mesh` needs; None when even plain TensorFlow
     cannot run it on probe inputs (nothing learned)."""
-    try:  # inputs it cannot make (strings) or a call that needs real
-        # data: the probe learns nothing, and planning goes on
+    try:  # decided from the traced op types, before anything runs
         inputs = _probe_inputs(op, graph)
-        op_types = _forward_backward(op, inputs, None)
+        op_types = _forward_backward(op, inputs, None, run=False)
+    except Exception:  # a call that cannot be traced on probe inputs
+        return None
+    crashing = capabilities.crashing_ops(op_types)
+    if crashing:
+        return Probed(error=capabilities.crash_reason(crashing))
+    try:  # a call that needs real data: the probe learns nothing
+        _forward_backward(op, inputs, None)
     except Exception:
         return None
-    crashing = sorted(op_types & _CRASH_DTENSOR)
-    if crashing:
-        return Probed(error=(
-            f"it runs Python inside the graph ({', '.join(crashing)}: "
-            "tf.numpy_function / tf.py_function), which DTensor cannot "
-            "run; write it with TensorFlow or keras.ops"
-        ))
     needed: list[str] = []
     while True:
         try:
@@ -142,6 +170,9 @@ def probe_op(op: Op, graph: OpGraph, mesh: Any) -> Probed | None:
             if (name is None or name in needed
                     or len(needed) >= _MAX_SWITCHES):
                 break
+            if capabilities.crashing_ops([name]):  # never switched on
+                return Probed(tuple(needed),
+                              capabilities.crash_reason([name]))
             needed.append(name)
             op_rules.enable([name])
     try:  # not with a split batch: whole on every device?
@@ -173,6 +204,9 @@ def _probe_inputs(op: Op, graph: OpGraph) -> list[np.ndarray]:
     for name in op.inputs:
         info = graph.tensors[name]
         shape = (PROBE_BATCH,) + tuple(info.shape[1:])
+        if info.dtype == "string":
+            values.append(np.full(shape, b"", dtype=object))
+            continue
         dtype = np.dtype(info.dtype)
         if np.issubdtype(dtype, np.floating):
             values.append(rng.normal(size=shape).astype(dtype))
@@ -182,11 +216,11 @@ def _probe_inputs(op: Op, graph: OpGraph) -> list[np.ndarray]:
 
 
 def _forward_backward(
-    op: Op, inputs: list, mesh: Any, split: bool = True
+    op: Op, inputs: list, mesh: Any, split: bool = True, run: bool = True
 ) -> frozenset[str]:
     """One forward and backward pass of `op` (on `mesh`, batch split or
     replicated, or in plain TensorFlow when `mesh` is None); the types of
-    the TensorFlow ops it ran."""
+    the TensorFlow ops it ran (traced only, not run, unless `run`)."""
     layer = op.layer
     trainable = list(getattr(layer, "trainable_variables", ()))
     others = list(getattr(layer, "non_trainable_variables", ()))
@@ -205,7 +239,8 @@ def _forward_backward(
     # the function, and the function is traced with the batch dim unknown
     # (some gradients, AvgPoolGrad's, fail only then).
     xs = [put(x) for x in inputs]
-    specs = [tf.TensorSpec((None,) + x.shape[1:], x.dtype) for x in inputs]
+    specs = [tf.TensorSpec((None,) + tuple(x.shape[1:]), x.dtype)
+             for x in xs]
     weights = [put(v.value) for v in trainable]
     states = [put(v.value) for v in others]
 
@@ -241,12 +276,17 @@ def _forward_backward(
                          if g is not None]
 
     function = tf.function(step, autograph=False)
-    with unrolled(layer), (
+    # As the runtime does: tensors a layer keeps as plain attributes
+    # (Normalization's mean) replicated, as DTensor refuses a captured
+    # regular tensor larger than a scalar.
+    constants = layer_constants(layer, mesh) if mesh is not None else []
+    with unrolled(layer), attributes_set(constants), (
         op_rules.substitutes(mesh) if mesh is not None
         else contextlib.nullcontext()
     ):
         concrete = function.get_concrete_function(specs, weights, states)
-        concrete(xs, weights, states)
+        if run:
+            concrete(xs, weights, states)
     return _op_types(concrete.graph.as_graph_def())
 
 
