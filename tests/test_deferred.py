@@ -70,5 +70,33 @@ class DeferredTest(unittest.TestCase):
         np.testing.assert_array_equal(self.value(var), [5.0, 6.0])
 
 
+    def test_a_tape_after_a_write_differentiates_the_written_value(self):
+        # A GAN's second discriminator update in one step: the tape opened
+        # after the first update's write must watch the variable and get
+        # the gradient at the written value (it got None).
+        var = self.variable([1.0, 2.0])
+        table = self.variable([[1.0], [2.0], [3.0]])
+
+        @tf.function(autograph=False)
+        def step():
+            with deferred.deferring([var, table]):
+                var.assign(var * 3.0)
+                table.assign_add(tf.ones_like(table))
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(var * var) + tf.reduce_sum(
+                        tf.gather(table, [2, 2])  # the sparse read path
+                    )
+                self.assertEqual(len(tape.watched_variables()), 2)
+                grad_var, grad_table = tape.gradient(loss, [var, table])
+                self.assertIsNotNone(grad_var)
+                self.assertIsNotNone(grad_table)
+                return grad_var, tf.convert_to_tensor(grad_table)
+
+        grad_var, grad_table = step()
+        np.testing.assert_allclose(gather(grad_var).numpy(), [6.0, 12.0])
+        np.testing.assert_allclose(gather(grad_table).numpy(),
+                                   [[0.0], [0.0], [2.0]])
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -31,6 +31,8 @@ from typing import Any
 import tensorflow as tf
 from keras import tree
 from tensorflow.experimental import dtensor
+from tensorflow.python.eager import record
+from tensorflow.python.ops.resource_variable_ops import variable_accessed
 
 
 class StepVariable(dtensor.DVariable):
@@ -42,18 +44,31 @@ class StepVariable(dtensor.DVariable):
     # -- reads ------------------------------------------------------------
 
     def _read_variable_op(self, *args, **kwargs):
-        if self._kept is not None:
-            return tf.identity(self._kept)
-        return super()._read_variable_op(*args, **kwargs)
+        if self._kept is None:
+            return super()._read_variable_op(*args, **kwargs)
+        # A read of the kept value is still a read of this variable for
+        # gradient tapes, as `ResourceVariable._read_variable_op` makes
+        # it: the tape watches the variable (`variable_accessed`) and
+        # the value's gradient is the variable's. Without both, a tape
+        # opened after a write in the same step (a GAN's second
+        # discriminator update) got no gradient for the variable.
+        variable_accessed(self)
+        result = tf.identity(self._kept)
+        record.record_operation(
+            "ReadVariableOp", [result], [self.handle],
+            backward_function=lambda x: [x],
+            forward_function=lambda x: [x],
+        )
+        return result
 
     def sparse_read(self, indices, name=None):
-        if self._kept is not None:
-            return tf.gather(self._kept, indices, name=name)
+        if self._kept is not None:  # through the read, for tapes
+            return tf.gather(self._read_variable_op(), indices, name=name)
         return super().sparse_read(indices, name=name)
 
     def gather_nd(self, indices, name=None):
         if self._kept is not None:
-            return tf.gather_nd(self._kept, indices, name=name)
+            return tf.gather_nd(self._read_variable_op(), indices, name=name)
         return super().gather_nd(indices, name=name)
 
     # -- writes -----------------------------------------------------------

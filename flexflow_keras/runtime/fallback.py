@@ -12,6 +12,25 @@ from typing import Any
 _NO_DTENSOR_RULE = re.compile(
     r"'(?:tf\.)?(\w+)' op does not implement layout propagation"
 )
+# ... and when an op's expansion contradicts its layout (ArgMax of a
+# replicated input with a split output: "Expected shape: <128,3> got
+# shape: <32,3>"); the op follows in the MLIR dump.
+_INCONSISTENT = re.compile(
+    r"op output inconsistent with the provided layout[\s\S]*?"
+    r"see current operation: %\S+ = \"tf\.(\w+)\""
+)
+
+
+def op_to_replicate(error: Exception) -> str | None:
+    """The TensorFlow op a DTensor `error` blames, which DTensor's
+    per-op replicated switch may let run (`op_rules.enable`): one with
+    no layout rule, or whose expansion contradicted its layout; None
+    when the error names no such op."""
+    for pattern in (_NO_DTENSOR_RULE, _INCONSISTENT):
+        found = pattern.search(str(error))
+        if found is not None:
+            return found.group(1)
+    return None
 
 
 def fall_back(

@@ -38,7 +38,8 @@ from keras.src.optimizers.base_optimizer import BaseOptimizer
 from tensorflow.experimental import dtensor
 
 from flexflow_keras.runtime import deferred, fresh_state, op_rules
-from flexflow_keras.runtime.fallback import fall_back
+from flexflow_keras import capabilities
+from flexflow_keras.runtime.fallback import fall_back, op_to_replicate
 from flexflow_keras.runtime.keras_functions import keras_function
 from flexflow_keras.runtime.layouts import OpPlan, replicated
 from flexflow_keras.runtime.tracing import step_function
@@ -57,6 +58,7 @@ def one_mesh(plans: tuple[OpPlan, ...]) -> Any:
 # -- layer calls relaid per op ------------------------------------------------
 
 _ACTIVE: list["ModelStepExecutor"] = []  # executors tracing a step
+_MAX_REPLICATED = 4  # ops a step may turn replicated before plain Keras
 _KERAS_CALL = Operation.__call__
 
 
@@ -73,6 +75,39 @@ def _call_with_layouts(operation, *args, **kwargs):
 
 
 Operation.__call__ = _call_with_layouts
+
+
+class _TapeDepth:
+    """How many `tf.GradientTape`s are open (counted while a step is
+    traced: `ModelStepExecutor._realized`)."""
+
+    def __init__(self):
+        self.depth = 0
+        self._enter = tf.GradientTape.__enter__
+        self._exit = tf.GradientTape.__exit__
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        counter = self
+
+        def enter(tape):
+            counter.depth += 1
+            return counter._enter(tape)
+
+        def exit_(tape, *exc):
+            counter.depth -= 1
+            return counter._exit(tape, *exc)
+
+        tf.GradientTape.__enter__, tf.GradientTape.__exit__ = enter, exit_
+        try:
+            yield
+        finally:
+            tf.GradientTape.__enter__ = self._enter
+            tf.GradientTape.__exit__ = self._exit
+            self.depth = 0
+
+
+_TAPES = _TapeDepth()
 
 
 def _is_traced_tensor(value: Any) -> bool:
@@ -121,6 +156,9 @@ class ModelStepExecutor:
         self._ran: set[tuple] = set()  # (kind, batch) of steps that ran
         self._learning_rates: dict[int, float] = {}
         self._transfers = Transfers(self.mesh)
+        # Ops a first run found DTensor could not lay out, now replicated.
+        self.replicated_ops: list[str] = []
+        self._static_batch = False  # steps traced with the batch dim known
 
     # -- variables ----------------------------------------------------------
 
@@ -244,7 +282,7 @@ class ModelStepExecutor:
         try:
             with deferred.deferring(step_vars), op_rules.substitutes(self.mesh), \
                     op_rules.stateless_random(self._random_state), \
-                    attributes_set(self._constants):
+                    attributes_set(self._constants), _TAPES.counting():
                 yield
         finally:
             tf_core.cond = keras_cond
@@ -271,7 +309,12 @@ class ModelStepExecutor:
 
     def call_op(self, operation: Any, args: tuple, kwargs: dict) -> Any:
         plans = self._plans_of.get(id(operation))
-        if not plans:
+        if not plans or _TAPES.depth > 1:
+            # Inside a tape inside a tape (a gradient penalty's second-
+            # order gradient): DTensor's second-order gradient through
+            # relayouts kills the process (measured, TF 2.21: a batch-
+            # split input relaid, reshaped and relaid again), so those
+            # calls run on the layouts DTensor propagates.
             return _KERAS_CALL(operation, *args, **kwargs)
         leaves = [x for x in tree.flatten((args, kwargs))
                   if _is_traced_tensor(x)]
@@ -334,7 +377,7 @@ class ModelStepExecutor:
                     lambda v: _replicated_output(v, self.mesh), outputs
                 )
 
-            traced.get_concrete_function(_relaxed(data))
+            traced.get_concrete_function(_specs(data, self._static_batch))
             return traced
 
         function = traced_once()
@@ -391,6 +434,28 @@ class ModelStepExecutor:
         if not isinstance(error, tf.errors.OpError):
             raise error
         first = (kind, _batch_of(batch)) not in self._ran
+        op = op_to_replicate(error) if first else None
+        if (op is not None and op not in self.replicated_ops
+                and len(self.replicated_ops) < _MAX_REPLICATED
+                and not capabilities.crashing_ops([op])):
+            # The op DTensor blamed runs replicated (its switch), the
+            # rest keeps its layouts; the failed first run changed
+            # nothing, so the step is traced again and redone.
+            self.replicated_ops.append(op)
+            op_rules.enable([op])
+            self._functions.clear()
+            return self.make_function(kind)(batches)
+        if first and not self._static_batch:
+            # DTensor expands some ops only on static shapes ("failed to
+            # extract constant value", "requires output type to have
+            # statically known rank": a reshape or tile whose shape comes
+            # from the unknown batch dim, as in a gradient penalty's
+            # second-order gradient or a causal mask built with
+            # `ops.tile`): the steps are traced again with their batch
+            # size written in (each batch size has its own step anyway).
+            self._static_batch = True
+            self._functions.clear()
+            return self.make_function(kind)(batches)
         return fall_back(self.model, kind, error, batches, False, first)
 
 
@@ -443,12 +508,14 @@ def _regular(value: Any) -> Any:
     return value
 
 
-def _relaxed(data: Any) -> Any:
-    """Tensor specs of `data` with the batch dim unknown."""
+def _specs(data: Any, static_batch: bool = False) -> Any:
+    """Tensor specs of `data`, the batch dim unknown unless
+    `static_batch`."""
 
     def spec(value):
         if isinstance(value, tf.Tensor) and value.shape.rank:
-            return tf.TensorSpec([None] + value.shape[1:], value.dtype)
+            batch = value.shape[0] if static_batch else None
+            return tf.TensorSpec([batch] + value.shape[1:], value.dtype)
         return value
 
     return tree.map_structure(spec, data)
