@@ -8,6 +8,7 @@ for the batch size that fit uses. A plan is kept per batch size.
 """
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -114,6 +115,21 @@ class _PlanningModel(StrategyTrainer):
         if len(batches) == 1 and None not in batches:
             return int(batches.pop())
         return None
+
+    def _strategy_replaced(self, graph, strategy, reason: str) -> None:
+        # `model.strategy` and summary() report what runs.
+        state = state_of(self)
+        if state.plan is not None:
+            plan = dataclasses.replace(
+                state.plan, strategy=strategy, source="data_parallel",
+                search_result=None, step_ms=None, per_op_ms=None,
+            )
+            state.plans = {
+                batch: plan if old is state.plan else old
+                for batch, old in state.plans.items()
+            }
+            state.plan = plan
+        super()._strategy_replaced(graph, strategy, reason)
 
     def _strategy_failed(self, reason: str) -> None:
         # For good: later fits must not attach a strategy again.

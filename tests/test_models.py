@@ -8,12 +8,14 @@ import tempfile
 import textwrap
 import unittest
 import warnings
+from unittest import mock
 
 import keras
 import numpy as np
 
 import flexflow_keras
 from flexflow_keras import Model, Sequential, layers, strategy_files
+from flexflow_keras.runtime import model_step
 from flexflow_keras.strategy import ParallelConfig, Strategy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -321,7 +323,15 @@ class PlainKerasFallbackTest(unittest.TestCase):
     # before the search and runs replicated (tests/test_capabilities.py);
     # one in the model's own step shows only when the step first runs.
     # `Roll` is used here only: DTensor keeps a switch on for the process
-    # once read, and no test turns Roll's on.
+    # once read, and no test turns Roll's on. The step's first-run retry
+    # with the blamed op replicated (which makes `Roll` run: the WGAN-GP's
+    # DynamicStitch in test_step_patterns) is off here, so that the last
+    # resort, plain Keras, is what these tests check.
+
+    def setUp(self):
+        retries = mock.patch.object(model_step, "_MAX_REPLICATED", 0)
+        retries.start()
+        self.addCleanup(retries.stop)
 
     @staticmethod
     def build_rolled(cls, seed):

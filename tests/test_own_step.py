@@ -26,6 +26,7 @@ from flexflow_keras.runtime import model_step
 
 SAMPLES, BATCH, EPOCHS = 64, 16, 2
 RTOL = 1e-5
+WEIGHT_ATOL = 1e-6
 
 
 # -- models, each built the same way from `keras` or `flexflow_keras` --------
@@ -156,6 +157,36 @@ def build_distiller(mod):
     y = keras.utils.to_categorical(
         np.random.default_rng(1).integers(0, 4, SAMPLES), 4
     )
+    return model, (x, y)
+
+
+def build_conv_distiller(mod):
+    """keras.io's distillation example as written: Conv2D teacher and
+    student (the teacher, no op of the graph, runs only in compute_loss
+    on the batch; its convolution fed the replicated batch failed
+    DTensor's expansion: "Expected shape: <128,7,7,512> got shape:
+    <32,7,7,512>")."""
+
+    def net(name, width):
+        return mod.Sequential([
+            mod.Input((8, 8, 1)),
+            mod.layers.Conv2D(width, 3, strides=2, padding="same"),
+            mod.layers.LeakyReLU(negative_slope=0.2),
+            mod.layers.MaxPooling2D(2, strides=1, padding="same"),
+            mod.layers.Conv2D(2 * width, 3, strides=2, padding="same"),
+            mod.layers.Flatten(),
+            mod.layers.Dense(4),
+        ], name=name)
+
+    teacher, student = net("teacher", 8), net("student", 4)
+    model = _distiller_class(mod)(student, teacher)
+    # Data parallelism: the student's outputs split the batch, which the
+    # teacher's result meets in the loss.
+    ours = {} if mod is keras else {"search_budget": 0}
+    model.compile(optimizer="adam", alpha=0.3, temperature=3.0, **ours)
+    rng = np.random.default_rng(0)
+    x = rng.random((SAMPLES, 8, 8, 1)).astype("float32")
+    y = keras.utils.to_categorical(rng.integers(0, 4, SAMPLES), 4)
     return model, (x, y)
 
 
@@ -336,6 +367,7 @@ FEATURES = {
     "train_step": build_train_step,
     "train_step_without_call": build_train_step_without_call,
     "distiller_compute_loss": build_distiller,
+    "distiller_conv_teacher": build_conv_distiller,
     "add_loss": build_add_loss,
     "add_loss_fixed_batch_reshape": build_add_loss_fixed_batch,
     "regularizers": build_regularizers,
@@ -348,11 +380,16 @@ FEATURES = {
     **{n: optimizer_case(c) for n, c in OPTION_CASES.items()},
 }
 FAST = (
-    "train_step", "train_step_without_call", "distiller_compute_loss", "add_loss", "regularizers",
+    "train_step", "train_step_without_call", "distiller_compute_loss",
+    "distiller_conv_teacher", "add_loss", "regularizers",
     "mask_zero_lstm", "no_compiled_loss", "optimizer_Nadam",
     "adam_gradient_accumulation",
 )
 TOLERANCE = {"mixed_bfloat16": 2e-2}
+# Cases whose first run is retried (model_step `_failed`): a gradient
+# penalty's second-order gradient (DynamicStitch replicated, then shapes
+# that DTensor needs static).
+RETRIED = {"wgan_gp", "second_order"}
 # compile() reads these (settings: compile kwargs > argv > environment).
 SEARCH = mock.patch.dict(os.environ, {
     "FLEXFLOW_KERAS_SEARCH_BUDGET": "30",
@@ -386,6 +423,11 @@ def train_both(test, name, build=None):
         test.assertIsInstance(
             ours.strategy_executor, model_step.ModelStepExecutor
         )
+    # Ran as planned: no first run retried (an op DTensor blamed made
+    # replicated, a static batch), unless the case needs it (`RETRIED`).
+    retries = getattr(ours.strategy_executor, "retries", [])
+    if name not in RETRIED:
+        test.assertEqual(retries, [], name)
     rtol = TOLERANCE.get(name, RTOL)
     for key in plain_history:
         np.testing.assert_allclose(
@@ -393,9 +435,12 @@ def train_both(test, name, build=None):
             err_msg=f"{name}: {key}",
         )
     for a, b in zip(plain.get_weights(), ours.get_weights()):
+        # Relative to the weight's size, plus float noise: a weight whose
+        # gradient is zero but for rounding (attention's key bias) is
+        # that noise, scaled up by Adam to about 1e-7.
         scale = max(float(np.max(np.abs(a))), 1e-6)
         test.assertLessEqual(
-            float(np.max(np.abs(a - b))) / scale, rtol, name
+            float(np.max(np.abs(a - b))), rtol * scale + WEIGHT_ATOL, name
         )
 
 

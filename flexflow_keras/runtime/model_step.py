@@ -34,11 +34,13 @@ import tensorflow as tf
 from keras import tree
 from keras.src.backend.tensorflow import core as tf_core
 from keras.src.ops.operation import Operation
+from tensorflow.python.eager import context
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 from tensorflow.experimental import dtensor
 
 from flexflow_keras.runtime import deferred, fresh_state, op_rules
 from flexflow_keras import capabilities
+from flexflow_keras.search_space import one_mesh_data_parallel
 from flexflow_keras.runtime.fallback import fall_back, op_to_replicate
 from flexflow_keras.runtime.keras_functions import keras_function
 from flexflow_keras.runtime.layouts import OpPlan, replicated
@@ -75,6 +77,11 @@ def _call_with_layouts(operation, *args, **kwargs):
 
 
 Operation.__call__ = _call_with_layouts
+
+
+class SecondOrderSplits(Exception):
+    """A step takes second-order gradients under a strategy that splits
+    more than the batch (`ModelStepExecutor.call_op`)."""
 
 
 class _TapeDepth:
@@ -148,10 +155,14 @@ class ModelStepExecutor:
         for plan in plans:
             self._plans_of.setdefault(id(plan.op.layer), []).append(plan)
         self._sharded = True  # the batch being traced is split
+        self._in_call = 0  # depth of op calls and `_call_outside`s
         self._pairs: list[tuple[Any, Any, Any]] = []  # keras, step, layout
         self._key_map: dict[int, int] = {}  # StepVariable key -> Keras's
         self._constants: list = []  # layer tensors, copied onto the mesh
         self._random_state = None  # [seed, counter] of stateful tf.random
+        self._splits_beyond_batch = any(
+            dim != 0 for plan in plans for dim in plan.axes
+        )
         self._functions: dict[tuple, Any] = {}  # (kind, batch) -> step
         self._ran: set[tuple] = set()  # (kind, batch) of steps that ran
         self._learning_rates: dict[int, float] = {}
@@ -159,6 +170,14 @@ class ModelStepExecutor:
         # Ops a first run found DTensor could not lay out, now replicated.
         self.replicated_ops: list[str] = []
         self._static_batch = False  # steps traced with the batch dim known
+
+    @property
+    def retries(self) -> list[str]:
+        """What first runs that failed in DTensor were retried with: ops
+        made replicated, and "static batch" (`_failed`)."""
+        return self.replicated_ops + (
+            ["static batch"] if self._static_batch else []
+        )
 
     # -- variables ----------------------------------------------------------
 
@@ -309,6 +328,19 @@ class ModelStepExecutor:
 
     def call_op(self, operation: Any, args: tuple, kwargs: dict) -> Any:
         plans = self._plans_of.get(id(operation))
+        if _TAPES.depth > 1 and self._splits_beyond_batch:
+            raise SecondOrderSplits(
+                f"Model '{self.model.name}' takes gradients of gradients "
+                "in its own step (a tape inside a tape), which TensorFlow's "
+                "DTensor computes wrongly over weights or activations split "
+                "beyond the batch (measured: losses 0.3% off what Keras "
+                "computes), "
+                "so it trains under data parallelism over the same "
+                f"{self.mesh.size} devices instead of its searched strategy."
+            )
+        if not plans and not self._in_call and _TAPES.depth < 2 \
+                and not self._holds_op(operation):
+            return self._call_outside(operation, args, kwargs)
         if not plans or _TAPES.depth > 1:
             # Inside a tape inside a tape (a gradient penalty's second-
             # order gradient): DTensor's second-order gradient through
@@ -333,7 +365,7 @@ class ModelStepExecutor:
             )
 
         args, kwargs = tree.map_structure(relaid, (args, kwargs))
-        with unrolled(operation):
+        with unrolled(operation), self._inside():
             outputs = _KERAS_CALL(operation, *args, **kwargs)
         flat = tree.flatten(outputs)
         placed = []
@@ -347,6 +379,66 @@ class ModelStepExecutor:
                     value = dtensor.relayout(value, _batch_only(layout))
             placed.append(value)
         return tree.pack_sequence_as(outputs, placed)
+
+    def _call_outside(self, operation: Any, args: tuple,
+                      kwargs: dict) -> Any:
+        """A call, outside any op's, of a layer that holds no op (a
+        teacher used only in `compute_loss`): its batch tensors (batch
+        dim unknown) in and out take the batch layout of the model's
+        outputs, so that DTensor sees one layout from its inputs to its
+        outputs.
+
+        Why: DTensor's Conv2D expander keeps its input's layout, while
+        layout propagation gives its output the one its consumers ask
+        for. A conv fed the replicated batch whose result meets the
+        batch-split outputs failed ("SPMD expansion resulted in op
+        output inconsistent with the provided layout. Expected shape:
+        <256,7,7,32> got shape: <64,7,7,32>").
+        """
+        layout_of = self._outside_layout
+
+        def placed(value):
+            if not _is_traced_tensor(value) or not value.shape.rank \
+                    or value.shape[0] is not None:
+                return value
+            return dtensor.relayout(value, layout_of(value.shape.rank))
+
+        args, kwargs = tree.map_structure(placed, (args, kwargs))
+        with self._inside():
+            outputs = _KERAS_CALL(operation, *args, **kwargs)
+        return tree.map_structure(placed, outputs)
+
+    def _outside_layout(self, rank: int) -> Any:
+        """The model's outputs' batch layout (`_batch_only`), at `rank`."""
+        axis = None
+        if self._sharded:
+            for plan in self.plans:
+                if any(o in self.graph.outputs for o in plan.op.outputs):
+                    axis = plan.axes.get(0)
+                    break
+        if axis is None:
+            return replicated(self.mesh, rank)
+        return dtensor.Layout(
+            [axis] + [dtensor.UNSHARDED] * (rank - 1), self.mesh
+        )
+
+    def _holds_op(self, operation: Any) -> bool:
+        """Whether `operation` is, or holds as a sublayer, an op of the
+        graph (a model around its ops, as `model(x)` in Keras's step)."""
+        flatten = getattr(operation, "_flatten_layers", None)
+        if flatten is None:
+            return True  # not a layer: as before, untouched
+        return any(id(layer) in self._plans_of for layer in flatten())
+
+    @contextlib.contextmanager
+    def _inside(self) -> Iterator[None]:
+        """Inside an op's call or a `_call_outside`: sublayer calls run
+        on the layouts DTensor propagates."""
+        self._in_call += 1
+        try:
+            yield
+        finally:
+            self._in_call -= 1
 
     # -- steps ----------------------------------------------------------------
 
@@ -416,6 +508,10 @@ class ModelStepExecutor:
         if kind == "train":
             self._push_learning_rates()
         outputs = function(self._on_mesh(data))
+        if (kind, _batch_of(data)) not in self._ran:
+            # DTensor runs functions asynchronously: a first run's error
+            # would surface at some later op, past `_failed`'s reach.
+            context.async_wait()
         self._ran.add((kind, _batch_of(data)))
         if kind == "train":
             self.dirty = True
@@ -431,9 +527,16 @@ class ModelStepExecutor:
         DTensor rule, hands the model to plain Keras (`fall_back`): the
         step is one function whose writes come at its end, so it
         changed nothing."""
+        if isinstance(error, SecondOrderSplits):  # found while tracing
+            self.model._strategy_replaced(self.graph, one_mesh_data_parallel(
+                self.graph, self.mesh.size), str(error))
+            function = getattr(self.model, f"make_{kind}_function")(force=True)
+            return function(batches)
         if not isinstance(error, tf.errors.OpError):
             raise error
         first = (kind, _batch_of(batch)) not in self._ran
+        if first:
+            context.async_clear_error()
         op = op_to_replicate(error) if first else None
         if (op is not None and op not in self.replicated_ops
                 and len(self.replicated_ops) < _MAX_REPLICATED

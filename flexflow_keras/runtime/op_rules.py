@@ -130,6 +130,21 @@ def _undilated(convolution: Any, kernel: str) -> Any:
     return run
 
 
+def computed_from_constants(x: Any, depth: int = 8) -> bool:
+    """Whether graph tensor `x` comes from constants and tensor shapes
+    alone (no value of an input or variable, no stateful op within
+    `depth` ops): what TensorFlow's shape inference folds at trace time,
+    as `ops.expand_dims(16, -1)` or a batch size from `ops.shape`."""
+    op = getattr(x, "op", None)
+    if op is None:
+        return True  # not a graph tensor: a Python or NumPy value
+    if op.type in ("Const", "Shape", "ShapeN", "Size", "Rank"):
+        return True
+    if depth == 0 or not op.inputs or op._is_stateful:
+        return False
+    return all(computed_from_constants(i, depth - 1) for i in op.inputs)
+
+
 def _concatenate_on(mesh: Any, keras_concatenate: Any) -> Any:
     """Keras's `concatenate`; along the batch axis (a GAN joining fake and
     real batches: DTensor refuses to concatenate along a split dim), its
@@ -141,6 +156,11 @@ def _concatenate_on(mesh: Any, keras_concatenate: Any) -> Any:
         if axis != 0:
             return keras_concatenate(xs, axis=axis)
         xs = [tf.convert_to_tensor(x) for x in xs]
+        if all(computed_from_constants(x) for x in xs):
+            # Constants (a shape vector: a causal mask's tile multiples)
+            # are split nowhere; relaid, they would lose the static value
+            # that DTensor's Tile and Reshape rules need.
+            return keras_concatenate(xs, axis=axis)
 
         def whole(x):
             return dtensor.relayout(

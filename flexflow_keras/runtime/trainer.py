@@ -127,6 +127,15 @@ class StrategyTrainer:
         warnings.warn(reason, stacklevel=2)
         detach_strategy(self)
 
+    def _strategy_replaced(self, graph: Any, strategy: Any,
+                           reason: str) -> None:
+        """The strategy cannot compute this model's step right: says
+        `reason` and trains under `strategy` (over the same devices)
+        from here on, with the values trained so far."""
+        warnings.warn(reason, stacklevel=2)
+        detach_strategy(self)
+        attach_strategy(self, graph, strategy)
+
     def _strategy_needs_own_step(self, reason: str) -> None:
         """The strategy's layer-by-layer step would drop what `reason`
         names (compile() plans such models on one mesh; a strategy
