@@ -155,15 +155,19 @@ def _compute_groups(mesh: Any, device_names: tuple[str, ...]) -> int:
             x = tf.tanh(tf.matmul(x, w) * 0.01)
         return tf.reduce_sum(x)
 
+    # Few repeats: each call is a ~2 GFLOP matmul chain (tens of ms on
+    # a CPU) and the figure is a ratio rounded to a whole count.
     with tf.device(device_names[0]):
         xs, ws = tf.identity(x), tf.identity(w)
-        one = _median_ms(lambda: chain(xs, ws).numpy())
+        one = _median_ms(lambda: chain(xs, ws).numpy(), 5, 1)
     split = dtensor.Layout(["x", dtensor.UNSHARDED], mesh)
     xd = dtensor.relayout(
         dtensor.copy_to_mesh(x, dtensor.Layout.replicated(mesh, 2)), split
     )
     wd = dtensor.copy_to_mesh(w, dtensor.Layout.replicated(mesh, 2))
-    many = _median_ms(lambda: dtensor.unpack(chain(xd, wd))[0].numpy())
+    many = _median_ms(
+        lambda: dtensor.unpack(chain(xd, wd))[0].numpy(), 5, 1
+    )
     return max(1, min(n, round(one / many)))
 
 
@@ -246,7 +250,7 @@ def _step_overhead_ms(mesh: Any) -> float:
     dtensor_ms = _median_ms(one_call)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse")
-    steps = 64
+    steps = 32
     x, y = np.ones((steps * 8, 4), "float32"), np.ones((steps * 8, 1))
     model.fit(x, y, batch_size=8, verbose=0)  # traces
     start = time.perf_counter()
