@@ -158,6 +158,9 @@ class _PlanningModel(StrategyTrainer):
             if not state.warned_plain:
                 warnings.warn(reason, stacklevel=3)
                 state.warned_plain = True
+            if state.executor is not None:  # planned before: detach
+                runtime.detach_strategy(self)
+                state.plan = None
             return
         plan = state.plans.get(batch_size)
         if plan is None:
@@ -202,6 +205,14 @@ def _why_plain_keras(model: Any) -> str | None:
     state = state_of(model)
     if state.runtime_failure is not None:
         return state.runtime_failure
+    if getattr(model, "run_eagerly", False):
+        return (
+            f"Model '{model.name}' trains as plain Keras on one device: it "
+            "was compiled with run_eagerly=True, which runs its step "
+            "eagerly, line by line, for debugging (a strategy's step is "
+            "one compiled DTensor function). Compile without it to train "
+            "under a searched strategy."
+        )
     if not has_graph(model):
         failure = state.trace_failure
         why = (

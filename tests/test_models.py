@@ -404,6 +404,44 @@ class PlainKerasFallbackTest(unittest.TestCase):
                 self.assertIsNone(model.strategy)
 
 
+class RunEagerlyTest(unittest.TestCase):
+    """`compile(run_eagerly=True)` is Keras's debugging mode: the step runs
+    eagerly, line by line (keras.io's debugging_tips prints tensor values
+    with `%` formatting in its train_step): plain Keras, with one warning;
+    compiled again without it, the model trains under its strategy."""
+
+    def test_eager_step_then_strategy(self):
+        class Printing(Model):
+            def train_step(self, data):
+                logs = super().train_step(data)
+                self.seen.append("%.4f" % float(logs["loss"]))
+                return logs
+
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((8,))
+        model = Printing(inputs, layers.Dense(2)(inputs))
+        model.seen = []
+        rng = np.random.default_rng(0)
+        x = rng.random((32, 8), dtype=np.float32)
+        y = rng.random((32, 2), dtype=np.float32)
+        model.compile("sgd", "mse", run_eagerly=True, search_budget=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+        eager = [str(w.message) for w in caught
+                 if "run_eagerly=True" in str(w.message)]
+        self.assertEqual(len(eager), 1, eager)
+        self.assertEqual(len(model.seen), 8)
+        self.assertIsNone(model.strategy_executor)
+        model.run_eagerly = False
+        model.train_step = lambda data: Model.train_step(model, data)
+        model.compile("sgd", "mse", search_budget=0)
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        self.assertIsNotNone(model.strategy_executor)
+        self.assertGreater(len({d for c in model.strategy.values()
+                                for d in c.device_ids}), 1)
+
+
 class ModelClassTest(unittest.TestCase):
     def test_functional_subclass_leaves_model_class_intact(self):
         class Wrapped(Model):
