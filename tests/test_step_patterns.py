@@ -30,6 +30,7 @@ import os
 import tempfile
 import unittest
 import warnings
+from unittest import mock
 
 import keras
 import numpy as np
@@ -264,3 +265,44 @@ class StepPatternsTest(unittest.TestCase):
         np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
         for a, b in zip(plain.get_weights(), ours.get_weights()):
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def build_saturated_softmax(mod):
+    """A softmax classifier whose probabilities saturate (keras.io's
+    subclassing_conv_layers, first batch): Keras's crossentropy computes
+    from the logits, not the clipped probabilities, so a relayout that
+    drops them changed the loss (11.21 against 16.01)."""
+    inputs = mod.Input((8,), name="x")
+    h = mod.layers.Dense(16, name="d1")(inputs)
+    outputs = mod.layers.Dense(4, activation="softmax", name="out")(h)
+    model = mod.Model(inputs, outputs)
+    model.compile(loss="categorical_crossentropy", optimizer="adam",
+                  metrics=["accuracy"])
+    rng = np.random.default_rng(0)
+    x = (100 * rng.normal(size=(SAMPLES, 8))).astype("float32")
+    y = keras.utils.to_categorical(rng.integers(0, 4, SAMPLES), 4)
+    return model, (x, y)
+
+
+class SaturatedSoftmaxTest(unittest.TestCase):
+    def test_one_mesh(self):
+        train_both(self, "saturated_softmax", build_saturated_softmax)
+
+    def test_several_meshes_train_under_data_parallelism(self):
+        # The layer-by-layer step cannot hand the logits to the loss: the
+        # model trains under data parallelism, with one warning.
+        from test_random_draws import fit_both, several_meshes
+
+        from flexflow_keras.runtime import model_step
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with mock.patch("warnings.warn") as warn:
+                ours = fit_both(self, build_saturated_softmax,
+                                several_meshes)
+        said = [str(c.args[0]) for c in warn.call_args_list]
+        self.assertEqual(sum("logits" in m for m in said), 1, said)
+        self.assertIsInstance(ours.strategy_executor,
+                              model_step.ModelStepExecutor)
+        self.assertEqual({c.dims for c in ours.strategy.values()},
+                         {(4, 1)})

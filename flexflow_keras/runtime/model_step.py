@@ -374,9 +374,9 @@ class ModelStepExecutor:
                 layout = plan.output_layout(
                     index, value.shape.rank, self._sharded
                 )
-                value = dtensor.relayout(value, layout)
+                value = relaid_like_keras(value, layout)
                 if plan.op.outputs[index] in self.graph.outputs:
-                    value = dtensor.relayout(value, _batch_only(layout))
+                    value = relaid_like_keras(value, _batch_only(layout))
             placed.append(value)
         return tree.pack_sequence_as(outputs, placed)
 
@@ -401,7 +401,7 @@ class ModelStepExecutor:
             if not _is_traced_tensor(value) or not value.shape.rank \
                     or value.shape[0] is not None:
                 return value
-            return dtensor.relayout(value, layout_of(value.shape.rank))
+            return relaid_like_keras(value, layout_of(value.shape.rank))
 
         args, kwargs = tree.map_structure(placed, (args, kwargs))
         with self._inside():
@@ -578,6 +578,29 @@ def _own_rows(value: Any, mesh: Any) -> Any:
         start = (device // inner) * per_part
         rows.append(value[start:start + per_part])
     return dtensor.pack(rows, layout)
+
+
+def relaid_like_keras(value: Any, layout: Any) -> Any:
+    """`dtensor.relayout(value, layout)`, still known to Keras as the
+    softmax or sigmoid of its logits.
+
+    Keras's crossentropies read the logits of a probability output (the
+    `_keras_logits` its activations set, or a `Softmax`/`Sigmoid` op's
+    input) and compute from them, not from the clipped probabilities; a
+    relayout is a new tensor without either (measured: keras.io's
+    subclassing_conv_layers, whose saturated softmax gave a first-batch
+    loss of 11.21 against Keras's 16.01).
+    """
+    relaid = dtensor.relayout(value, layout)
+    logits = getattr(value, "_keras_logits", None)
+    op = getattr(value, "op", None)
+    if logits is None and op is not None and op.type in (
+        "Softmax", "Sigmoid"
+    ) and len(op.inputs) == 1:
+        logits = op.inputs[0]
+    if logits is not None:
+        relaid._keras_logits = logits
+    return relaid
 
 
 def _batch_only(layout: Any) -> Any:

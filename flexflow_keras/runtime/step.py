@@ -29,6 +29,9 @@ from flexflow_keras.runtime.tracing import step_function
 from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.layouts import replicated, segments
 from flexflow_keras.runtime.optimizers import Updater
+from flexflow_keras.search_space import (
+    one_mesh_data_parallel, one_mesh_devices,
+)
 from flexflow_keras.runtime.variables import (
     VariableStore, attributes_set, layer_constants, layer_variables, replicate,
 )
@@ -97,6 +100,21 @@ class OwnStepNeeded(Exception):
     which only the model's own step (`model_step.py`) counts."""
 
 
+class LogitsNeeded(Exception):
+    """Raised while a step is traced: a model output is the softmax or
+    sigmoid of logits that Keras's crossentropy would read; the loss here
+    sees the output through a function boundary, without them."""
+
+
+def _carries_logits(value: Any) -> bool:
+    """Whether Keras's crossentropy would compute from `value`'s logits
+    (`model_step.relaid_like_keras` says how it finds them)."""
+    op = getattr(value, "op", None)
+    return hasattr(value, "_keras_logits") or (
+        op is not None and op.type in ("Softmax", "Sigmoid")
+    )
+
+
 class Executor:
     """Runs a model's steps under a strategy.
 
@@ -112,6 +130,7 @@ class Executor:
         self.graph = graph
         self.plans = plans
         self.segments = segments(graph, self.plans)
+        self._num_devices = len(device_names)
         self.single_device = single_device(strategy, device_names)
         self.updater = None
         self.dirty = False  # DVariables newer than the Keras variables
@@ -244,6 +263,17 @@ class Executor:
             for i, (name, value) in enumerate(
                 zip(op.outputs, tree.flatten(out))
             ):
+                if name in self.graph.outputs and _carries_logits(value):
+                    raise LogitsNeeded(
+                        f"Model '{self.model.name}' outputs probabilities "
+                        f"(op '{op.name}') whose logits Keras's "
+                        "crossentropy reads, which the layer-by-layer "
+                        "step over several device meshes cannot pass to "
+                        "the loss (it would compute from the clipped "
+                        "probabilities: other losses once they saturate), "
+                        "so it trains under data parallelism instead of "
+                        "its searched strategy."
+                    )
                 layout = plan.output_layout(i, value.shape.rank, sharded)
                 values[name] = dtensor.relayout(value, layout)
         return updates
@@ -463,6 +493,14 @@ class Executor:
         model goes on without this strategy (see `fallback.fall_back`)."""
         if isinstance(error, OwnStepNeeded):
             return self._to_own_step(kind, str(error), batches)
+        if isinstance(error, LogitsNeeded):  # found while tracing
+            devices = one_mesh_devices(self.graph, self._num_devices)
+            self.model._strategy_replaced(
+                self.graph, one_mesh_data_parallel(self.graph, devices),
+                str(error),
+            )
+            getattr(self.model, f"make_{kind}_function")(force=True)
+            return getattr(self.model, f"{kind}_function")(batches)
         if isinstance(error, tf.errors.OpError):
             return fall_back(self.model, kind, error, batches, self.updated)
         raise error
