@@ -313,6 +313,9 @@ def _peek_batch(x: Any, batch_size: int | None) -> tuple[_Peeked, Any]:
 
     first = None
     if isinstance(x, tf.data.Dataset):
+        read = _dataset_batch(x)
+        if read is not None:
+            return read, x
         first = next(iter(x.take(1)))
     elif isinstance(x, keras.utils.PyDataset):
         first = x[0]
@@ -325,6 +328,54 @@ def _peek_batch(x: Any, batch_size: int | None) -> tuple[_Peeked, Any]:
         return _Peeked(int(leaf.shape[0]), inputs), x
     size = _KERAS_DEFAULT_BATCH_SIZE if batch_size is None else batch_size
     return _Peeked(int(size), x), x
+
+
+def _dataset_batch(dataset: Any) -> _Peeked | None:
+    """The batch a `tf.data.Dataset` yields, read from its structure
+    without iterating it; None when it cannot be read.
+
+    Why: each iterator of a dataset that shuffles (`reshuffle_each_
+    iteration`) or draws random values takes the next seed, so a peek
+    gave Keras's first epoch the order plain Keras's second would see
+    (keras.io's mixup: other batches than plain Keras from the same
+    seed). The batch size is the element spec's, else the `batch` of the
+    dataset chain (through map, prefetch, zip, ...).
+    """
+    import tensorflow as tf
+
+    spec = dataset.element_spec
+    inputs = spec[0] if isinstance(spec, tuple) else spec
+    leaves = keras.tree.flatten(inputs)
+    if not leaves or not all(isinstance(s, tf.TensorSpec) for s in leaves):
+        return None
+    batch = leaves[0].shape[0] if leaves[0].shape.rank else None
+    if batch is None:
+        batch = _chain_batch_size(dataset)
+    if batch is None:
+        return None
+    return _Peeked(int(batch), keras.tree.map_structure(
+        lambda s: tf.TensorSpec((batch,) + tuple(s.shape[1:]), s.dtype),
+        inputs,
+    ))
+
+
+def _chain_batch_size(dataset: Any, depth: int = 32) -> int | None:
+    """The constant `batch_size` of the last batching in `dataset`'s
+    chain (every input of a zip agreeing), or None."""
+    import tensorflow as tf
+
+    size = getattr(dataset, "_batch_size", None)
+    if size is not None:
+        value = tf.get_static_value(size)
+        return None if value is None or value < 1 else int(value)
+    if depth == 0:
+        return None
+    inputs = getattr(dataset, "_datasets", None)
+    if inputs is None:
+        inputs = [getattr(dataset, "_input_dataset", None)]
+    sizes = {_chain_batch_size(d, depth - 1) for d in inputs
+             if d is not None}
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _prepend(first: Any, rest: Iterator) -> Iterator:

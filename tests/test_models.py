@@ -404,6 +404,32 @@ class PlainKerasFallbackTest(unittest.TestCase):
                 self.assertIsNone(model.strategy)
 
 
+class DatasetOrderTest(unittest.TestCase):
+    """Planning reads a dataset's batch without iterating it: an iterator
+    takes the next shuffle seed, so a peek gave the first epoch another
+    order than plain Keras's (keras.io's mixup)."""
+
+    def test_reshuffled_dataset_trains_in_keras_order(self):
+        import tensorflow as tf
+
+        rng = np.random.default_rng(0)
+        x = rng.random((64, 8), dtype=np.float32)
+        y = rng.random((64, 2), dtype=np.float32)
+        histories = []
+        for cls in (keras.Model, Model):
+            keras.utils.set_random_seed(3)
+            inputs = keras.Input((8,))
+            model = cls(inputs, layers.Dense(2)(layers.Dense(8)(inputs)))
+            options = {} if cls is keras.Model else {"search_budget": 0}
+            model.compile("sgd", "mse", **options)
+            data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(
+                64, seed=5).batch(16).map(lambda a, b: (a * 2.0, b))
+            histories.append(model.fit(data, epochs=2, verbose=0).history)
+        self.assertIsNotNone(model.strategy_executor)
+        np.testing.assert_allclose(histories[1]["loss"],
+                                   histories[0]["loss"], rtol=1e-5)
+
+
 class RunEagerlyTest(unittest.TestCase):
     """`compile(run_eagerly=True)` is Keras's debugging mode: the step runs
     eagerly, line by line (keras.io's debugging_tips prints tensor values
