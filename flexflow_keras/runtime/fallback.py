@@ -10,6 +10,8 @@ from typing import Any
 
 from tensorflow.python.framework import error_interpolation
 
+from flexflow_keras.search_space import one_mesh_data_parallel
+
 # What TensorFlow 2.21's DTensor says when an op has no SPMD rule.
 _NO_DTENSOR_RULE = re.compile(
     r"'(?:tf\.)?(\w+)' op does not implement layout propagation"
@@ -90,6 +92,18 @@ def fall_back(
     )
     getattr(model, f"make_{kind}_function")(force=True)
     return getattr(model, f"{kind}_function")(data)
+
+
+def to_data_parallel(
+    model: Any, graph: Any, parts: int, kind: str, reason: str, data: Any
+) -> Any:
+    """Data parallelism over `parts` devices from now on, starting with
+    `data`, after a step found while tracing (nothing updated) that its
+    strategy cannot compute it right; says `reason` once."""
+    model._strategy_replaced(
+        graph, one_mesh_data_parallel(graph, parts), reason
+    )
+    return getattr(model, f"make_{kind}_function")(force=True)(data)
 
 
 def _parse_message_linear(message: str) -> tuple[str, list, list]:

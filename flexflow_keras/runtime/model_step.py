@@ -34,14 +34,15 @@ import tensorflow as tf
 from keras import tree
 from keras.src.backend.tensorflow import core as tf_core
 from keras.src.ops.operation import Operation
-from tensorflow.python.eager import context
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 from tensorflow.experimental import dtensor
+from tensorflow.python.eager import context
 
-from flexflow_keras.runtime import deferred, fresh_state, op_rules
 from flexflow_keras import capabilities
-from flexflow_keras.search_space import one_mesh_data_parallel
-from flexflow_keras.runtime.fallback import fall_back, op_to_replicate
+from flexflow_keras.runtime import deferred, fresh_state, op_rules
+from flexflow_keras.runtime.fallback import (
+    fall_back, op_to_replicate, to_data_parallel,
+)
 from flexflow_keras.runtime.keras_functions import keras_function
 from flexflow_keras.runtime.layouts import OpPlan, replicated
 from flexflow_keras.runtime.tracing import step_function
@@ -528,10 +529,8 @@ class ModelStepExecutor:
         step is one function whose writes come at its end, so it
         changed nothing."""
         if isinstance(error, SecondOrderSplits):  # found while tracing
-            self.model._strategy_replaced(self.graph, one_mesh_data_parallel(
-                self.graph, self.mesh.size), str(error))
-            function = getattr(self.model, f"make_{kind}_function")(force=True)
-            return function(batches)
+            return to_data_parallel(self.model, self.graph, self.mesh.size,
+                                    kind, str(error), batches)
         if not isinstance(error, tf.errors.OpError):
             raise error
         first = (kind, _batch_of(batch)) not in self._ran
@@ -592,15 +591,22 @@ def relaid_like_keras(value: Any, layout: Any) -> Any:
     loss of 11.21 against Keras's 16.01).
     """
     relaid = dtensor.relayout(value, layout)
+    logits = keras_logits(value)
+    if logits is not None:
+        relaid._keras_logits = logits
+    return relaid
+
+
+def keras_logits(value: Any) -> Any:
+    """The logits Keras's crossentropy would compute `value`'s loss from
+    (`keras/src/backend/tensorflow/nn.py` `_get_logits`), or None."""
     logits = getattr(value, "_keras_logits", None)
     op = getattr(value, "op", None)
     if logits is None and op is not None and op.type in (
         "Softmax", "Sigmoid"
     ) and len(op.inputs) == 1:
         logits = op.inputs[0]
-    if logits is not None:
-        relaid._keras_logits = logits
-    return relaid
+    return logits
 
 
 def _batch_only(layout: Any) -> Any:

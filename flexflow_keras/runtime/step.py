@@ -23,15 +23,14 @@ from tensorflow.experimental import dtensor
 
 from flexflow_keras.keras_graph import fill_arguments, function_of
 from flexflow_keras.runtime import fresh_state, op_rules
-from flexflow_keras.runtime.fallback import fall_back
+from flexflow_keras.runtime.fallback import fall_back, to_data_parallel
 from flexflow_keras.runtime.keras_functions import keras_function
+from flexflow_keras.runtime.model_step import keras_logits
 from flexflow_keras.runtime.tracing import step_function
 from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.layouts import replicated, segments
 from flexflow_keras.runtime.optimizers import Updater
-from flexflow_keras.search_space import (
-    one_mesh_data_parallel, one_mesh_devices,
-)
+from flexflow_keras.search_space import one_mesh_devices
 from flexflow_keras.runtime.variables import (
     VariableStore, attributes_set, layer_constants, layer_variables, replicate,
 )
@@ -104,15 +103,6 @@ class LogitsNeeded(Exception):
     """Raised while a step is traced: a model output is the softmax or
     sigmoid of logits that Keras's crossentropy would read; the loss here
     sees the output through a function boundary, without them."""
-
-
-def _carries_logits(value: Any) -> bool:
-    """Whether Keras's crossentropy would compute from `value`'s logits
-    (`model_step.relaid_like_keras` says how it finds them)."""
-    op = getattr(value, "op", None)
-    return hasattr(value, "_keras_logits") or (
-        op is not None and op.type in ("Softmax", "Sigmoid")
-    )
 
 
 class Executor:
@@ -263,7 +253,9 @@ class Executor:
             for i, (name, value) in enumerate(
                 zip(op.outputs, tree.flatten(out))
             ):
-                if name in self.graph.outputs and _carries_logits(value):
+                if name in self.graph.outputs and (
+                    keras_logits(value) is not None
+                ):
                     raise LogitsNeeded(
                         f"Model '{self.model.name}' outputs probabilities "
                         f"(op '{op.name}') whose logits Keras's "
@@ -494,13 +486,9 @@ class Executor:
         if isinstance(error, OwnStepNeeded):
             return self._to_own_step(kind, str(error), batches)
         if isinstance(error, LogitsNeeded):  # found while tracing
-            devices = one_mesh_devices(self.graph, self._num_devices)
-            self.model._strategy_replaced(
-                self.graph, one_mesh_data_parallel(self.graph, devices),
-                str(error),
-            )
-            getattr(self.model, f"make_{kind}_function")(force=True)
-            return getattr(self.model, f"{kind}_function")(batches)
+            parts = one_mesh_devices(self.graph, self._num_devices)
+            return to_data_parallel(self.model, self.graph, parts, kind,
+                                    str(error), batches)
         if isinstance(error, tf.errors.OpError):
             return fall_back(self.model, kind, error, batches, self.updated)
         raise error
