@@ -57,10 +57,11 @@ def make_plan(
 
     `one_mesh_reason` (why the model runs its own training step, e.g.
     "it overrides train_step"; a shared layer's later calls give one too)
-    keeps every op on one device mesh
-    (`search_space.one_mesh_configs`): the search explores that space,
-    data parallelism is its batch split, and an imported strategy over
-    several meshes is replaced by a search there, with a warning.
+    keeps every op on one device mesh, which may have several axes
+    (`mesh_space`): the search weighs the mesh shapes
+    (`search.search_meshes`), data parallelism is the batch split over
+    the 1-D mesh, and an imported strategy that is on no one mesh is
+    replaced by a search, with a warning.
 
     `probe` (the runtime's `probe_graph`) learns what DTensor runs of the
     layers `capabilities.TABLE` does not list before anything is
@@ -109,18 +110,24 @@ def make_plan(
         )
         plan = Plan(graph, strategy, "data_parallel", machine=machine)
     elif plan is None:
-        result = search.search(
-            graph,
-            sim,
-            num_devices,
+        options = dict(
             budget=settings.search_budget,
             alpha=settings.search_alpha,
             seed=settings.search_seed,
             verbose=verbose,
             print_fn=print_fn,
-            one_mesh_parts=parts,
-            candidates=search_candidates(graph, num_devices, parts),
         )
+        if parts is None:
+            result = search.search(
+                graph, sim, num_devices,
+                candidates=search_candidates(graph, num_devices), **options,
+            )
+        else:
+            result = search.search_meshes(
+                graph, sim, num_devices,
+                meshes=search_space.planning_meshes(parts, num_devices),
+                **options,
+            )
         plan = Plan(graph, result.strategy, "search", result, machine)
     if settings.export_strategy:
         strategy_files.save_strategy(plan.strategy, settings.export_strategy)
@@ -189,7 +196,9 @@ def _imported(
             "own. Give every call of a shared layer the same config.",
             stacklevel=3,
         )
-    if parts is not None and not search_space.is_one_mesh(strategy):
+    if parts is not None and not search_space.is_one_mesh(
+        strategy, machine.num_devices
+    ):
         return None
     return Plan(graph, strategy, "import", machine=machine)
 

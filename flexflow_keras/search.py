@@ -57,9 +57,11 @@ from typing import Any
 
 from flexflow_keras.graph import OpGraph
 from flexflow_keras.report import search_report
+from flexflow_keras.mesh_space import (
+    MeshSpec, mesh_configs, mesh_data_parallel, mesh_shapes,
+)
 from flexflow_keras.search_space import (
-    one_mesh_configs, one_mesh_data_parallel, random_config, sweep_configs,
-    tie_shared, weight_ties,
+    random_config, sweep_configs, tie_shared, weight_ties,
 )
 from flexflow_keras.strategy import Strategy, validate_config
 
@@ -134,6 +136,7 @@ def search(
     relative_alpha: float = RELATIVE_ALPHA,
     candidates: tuple[Strategy, ...] = (),
     sweep: float = SWEEP_SHARE,
+    mesh: MeshSpec | None = None,
 ) -> SearchResult:
     """Runs FlexFlow's MCMC search for `budget` iterations.
 
@@ -158,11 +161,13 @@ def search(
         propagation: Chance that a proposal copies a neighbour op's
             config instead of drawing a random one (FlexFlow's
             `use_propagation` uses 0.7); 0 is the plain search.
-        one_mesh_parts: Search only strategies whose ops all share the
-            mesh of devices `0..one_mesh_parts-1`
-            (`search_space.one_mesh_configs`), starting from
-            `one_mesh_data_parallel`; for models that run their own
-            training step. None: the whole SOAP space.
+        one_mesh_parts: Shorthand for `mesh=MeshSpec.first((k,))`: the
+            1-D mesh of devices `0..k-1`.
+        mesh: Search only strategies on this one N-D mesh
+            (`mesh_space.mesh_configs`: each op's split dims on distinct
+            axes), starting from `mesh_data_parallel`; for models that
+            run their own training step (`search_meshes` chooses the
+            mesh). None: the whole SOAP space.
         relative_alpha: Without `alpha`, a proposal slower by a
             fraction r of the current step is accepted with probability
             exp(-relative_alpha * r).
@@ -200,8 +205,10 @@ def search(
         seed = random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)
     data_parallel = Strategy.data_parallel(graph, num_devices)
-    if one_mesh_parts is not None and initial is None:
-        initial = one_mesh_data_parallel(graph, one_mesh_parts)
+    if one_mesh_parts is not None and mesh is None:
+        mesh = MeshSpec.first((one_mesh_parts,))
+    if mesh is not None and initial is None:
+        initial = mesh_data_parallel(graph, mesh)
     current = data_parallel if initial is None else initial
     current.validate(graph, num_devices)
     current, _ = tie_shared(graph, current)
@@ -222,8 +229,8 @@ def search(
     if reset_every is None:
         reset_every = min(max(budget // 100, 1), 1000)
     ops = graph.ops
-    mesh_choices = {} if one_mesh_parts is None else {
-        op.name: one_mesh_configs(op, one_mesh_parts) for op in ops
+    mesh_choices = {} if mesh is None else {
+        op.name: mesh_configs(op, mesh) for op in ops
     }
     used = _DeviceUse(current) if num_devices > 1 else None
     step = _Stepper(chain, simulator, used, alpha, relative_alpha, rng,
@@ -289,6 +296,77 @@ def search(
         one_device_ms=one_device_ms,
     )
     if verbose:
+        out(search_report(result))
+    return result
+
+
+def search_meshes(
+    graph: OpGraph,
+    simulator: Any,
+    num_devices: int,
+    budget: int,
+    meshes: tuple[MeshSpec, ...] | None = None,
+    seed: int | None = None,
+    verbose: int = 1,
+    print_fn: Callable[[str], None] | None = None,
+    **options: Any,
+) -> SearchResult:
+    """The search for a model that runs its own step: one N-D mesh.
+
+    Such a step runs as one DTensor function on one mesh
+    (`mesh_space`), so the mesh's shape is a choice of the whole
+    strategy. Every shape first gets an equal share of half the budget
+    (`SWEEP_SHARE`) for its own sweep from its data parallelism, heaviest
+    ops first; the fastest shape then gets the rest: a sweep and
+    FlexFlow's chain from its best strategy (`search`).
+
+    Args:
+        meshes: The meshes to weigh; None: every shape of
+            `mesh_space.mesh_shapes(num_devices)` over all devices.
+        options: Passed on to `search` (`alpha`, `relative_alpha`, ...).
+
+    Returns:
+        A `SearchResult` counting every iteration of both phases.
+    """
+    if meshes is None:
+        meshes = tuple(MeshSpec.first(s) for s in mesh_shapes(num_devices))
+    if not meshes:
+        raise ValueError("`meshes` must name at least one mesh.")
+    out = print_fn or _print
+    if seed is None:
+        seed = random.SystemRandom().randrange(2**31)
+    start = time.perf_counter()
+    share = int(budget * SWEEP_SHARE) // len(meshes) if budget else 0
+    first = [
+        (search(graph, simulator, num_devices, share, seed=seed, verbose=0,
+                mesh=mesh, sweep=1.0, **options), mesh)
+        for mesh in meshes
+    ]
+    best, mesh = min(first, key=lambda pair: pair[0].best_ms)
+    if verbose > 1:
+        for result, each in first:
+            out(f"mesh {each.shape}: {result.best_ms:.2f} ms after "
+                f"{result.iterations} iterations")
+    rest = budget - sum(result.iterations for result, _ in first)
+    final = search(
+        graph, simulator, num_devices, max(rest, 0), seed=seed,
+        verbose=0, initial=best.strategy, mesh=mesh, **options,
+    )
+    if final.best_ms > best.best_ms:
+        final = dataclasses.replace(
+            final, strategy=best.strategy, best_ms=best.best_ms
+        )
+    result = dataclasses.replace(
+        final,
+        data_parallel_ms=first[0][0].data_parallel_ms,
+        iterations=final.iterations + sum(r.iterations for r, _ in first),
+        accepted=final.accepted + sum(r.accepted for r, _ in first),
+        wall_s=time.perf_counter() - start,
+        seed=seed,
+    )
+    if verbose:
+        out(f"Mesh {mesh.shape} over devices 0..{mesh.size - 1} "
+            f"(of {len(meshes)} shapes weighed)")
         out(search_report(result))
     return result
 

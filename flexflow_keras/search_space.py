@@ -20,6 +20,9 @@ import random
 from collections.abc import Iterator
 
 from flexflow_keras.graph import Op, OpGraph
+from flexflow_keras.mesh_space import (
+    MeshSpec, mesh_configs, mesh_data_parallel, mesh_shapes,
+)
 from flexflow_keras.strategy import ParallelConfig, Strategy
 
 
@@ -198,43 +201,27 @@ def tie_shared(
 # A model that runs its own training step (a `train_step` or
 # `compute_loss` override, `add_loss`, regularizers, masks, mixed
 # precision, any Keras optimizer) runs it as one DTensor function, and
-# DTensor runs an op only on inputs of one device mesh. Its strategies
-# therefore put every op on the same mesh: `k` devices `0..k-1`, each op
-# splitting one dim it may partition (Sample, Attribute or Parameter)
-# into `k` parts. The Operator dimension (placing ops on other devices)
-# is what such a model gives up.
+# DTensor runs such a function on one device mesh. That mesh may have
+# several axes (`mesh_space`: the search chooses its shape); the 1-D
+# mesh of `k` devices `0..k-1` below is its simplest case, kept for
+# batches the devices do not divide (`one_mesh_devices`).
 
 
 def one_mesh_configs(op: Op, parts: int) -> list[ParallelConfig]:
-    """The configs of `op` on the mesh of devices `0..parts-1`: one
-    partitionable dim split `parts` ways, sample split first
-    (`one_mesh_splits`). An op with none of those (it may split nothing,
-    as DTensor runs it only replicated, or `parts` divides none of its
-    splittable dims, as a convolution's batch of 50 on 4 devices) gets
-    the unsplit config on device 0, which the runtime runs replicated on
-    the mesh (`runs_on_the_mesh`); so does every op when `parts` is 1.
-    Never empty: every batch size has a space."""
-    return one_mesh_splits(op, parts) or [
-        ParallelConfig((1,) * max(op.rank, 1), (0,))
-    ]
+    """The configs of `op` on the 1-D mesh of devices `0..parts-1`
+    (`mesh_space.mesh_configs`): one partitionable dim split `parts`
+    ways, sample dim first, then the unsplit config, which the runtime
+    runs replicated on the mesh (the only one when `parts` is 1 or
+    divides none of its splittable dims, as a convolution's batch of 50
+    on 4 devices). Never empty: every batch size has a space."""
+    return mesh_configs(op, MeshSpec.first((parts,)))
 
 
 def one_mesh_splits(op: Op, parts: int) -> list[ParallelConfig]:
     """The configs of `op` that split one dim it may partition `parts`
-    ways (a degree dividing that dim) over devices `0..parts-1`, sample
-    dim first; empty when `parts` is 1 or divides none of them."""
-    if parts == 1:
-        return []
-    rank = max(op.rank, 1)
-    ids = tuple(range(parts))
-    shape = op.output_shape or (1,)
-    return [
-        ParallelConfig(
-            tuple(parts if d == dim else 1 for d in range(rank)), ids
-        )
-        for dim in sorted(op.partitionable)
-        if dim < len(shape) and shape[dim] % parts == 0
-    ]
+    ways over devices `0..parts-1`, sample dim first; empty when `parts`
+    is 1 or divides none of them."""
+    return [c for c in one_mesh_configs(op, parts) if c.num_parts > 1]
 
 
 def one_mesh_devices(graph: OpGraph, num_devices: int) -> int:
@@ -263,39 +250,34 @@ def one_mesh_data_parallel(graph: OpGraph, parts: int) -> Strategy:
     """Every op on the one mesh of `parts` devices, splitting the batch
     where it can (else its first partitionable dim that divides, else
     replicated on the mesh)."""
-    return Strategy(
-        {op.name: one_mesh_configs(op, parts)[0] for op in graph}
-    )
+    return mesh_data_parallel(graph, MeshSpec.first((parts,)))
 
 
-def is_one_mesh(strategy: Strategy) -> bool:
-    """Whether every op of `strategy` runs on one DTensor mesh: the same
-    device ids and the same degrees > 1 (the runtime names mesh axes by
-    position, so `(4, 1)` and `(1, 4)` share one), but for unsplit ops on
-    device 0, which join that mesh when it holds device 0
-    (`runs_on_the_mesh`)."""
-    meshes = {
-        mesh_key(c) for c in strategy.values() if not runs_on_the_mesh(c)
-    }
-    if len(meshes) != 1:
-        return not meshes
-    (_, ids), = meshes
-    return 0 in ids or not any(map(runs_on_the_mesh, strategy.values()))
+def planning_meshes(parts: int, num_devices: int) -> tuple[MeshSpec, ...]:
+    """The meshes a model that runs its own step is searched on: every
+    shape over all `num_devices` devices (`mesh_space.mesh_shapes`,
+    host-major), or the 1-D mesh of `parts` devices alone when the batch
+    leaves fewer (`one_mesh_devices`)."""
+    if parts != num_devices:
+        return (MeshSpec.first((parts,)),)
+    return tuple(MeshSpec.first(s) for s in mesh_shapes(num_devices))
+
+
+def is_one_mesh(strategy: Strategy, num_devices: int | None = None) -> bool:
+    """Whether every op of `strategy` runs on one DTensor mesh
+    (`mesh_space.MeshSpec.of`: each config a block of one N-D mesh over
+    at most `num_devices` devices; None: the devices it uses)."""
+    if num_devices is None:
+        num_devices = 1 + max(
+            (i for c in strategy.values() for i in c.device_ids), default=0
+        )
+    return MeshSpec.of(strategy, num_devices) is not None
 
 
 def mesh_key(config: ParallelConfig) -> tuple:
-    """The runtime's mesh of a config: its degrees > 1 (axes named by
-    position) and its devices."""
+    """The layer-by-layer executor's mesh of a config: its degrees > 1
+    (axes named by position) and its devices."""
     return tuple(d for d in config.dims if d > 1), config.device_ids
-
-
-def runs_on_the_mesh(config: ParallelConfig) -> bool:
-    """Whether `config` is the unsplit config on device 0: in a one-mesh
-    strategy such an op runs replicated on the mesh (every device
-    computes it whole; the live machine's simulator prices the copies
-    where devices share compute), which is how ops
-    that DTensor runs only replicated stay in a strategy."""
-    return config.device_ids == (0,)
 
 
 def random_strategy(

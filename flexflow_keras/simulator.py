@@ -28,9 +28,8 @@ from flexflow_keras.cost import CostModel
 from flexflow_keras.graph import OpGraph
 from flexflow_keras.machine import MachineModel
 from flexflow_keras.schedule import Compiled, Schedule, no_gc
-from flexflow_keras.search_space import (
-    is_one_mesh, mesh_key, runs_on_the_mesh,
-)
+from flexflow_keras.mesh_space import MeshSpec
+from flexflow_keras.search_space import mesh_key
 from flexflow_keras.strategy import (
     ParallelConfig, Strategy, validate_config,
 )
@@ -249,39 +248,42 @@ class Simulator:
         )
         step_ms = schedule.step_ms + self.machine.step_overhead_ms
         if self.machine.live:
-            if is_one_mesh(Strategy(configs)):
-                step_ms += self._replicated_ms(configs)
+            mesh = MeshSpec.of(configs, self.machine.num_devices)
+            if mesh is not None:
+                step_ms += self._replicated_ms(configs, mesh)
             else:
                 step_ms += self._several_meshes_ms(configs)
         return SimResult(
             step_ms, busy, compiled.comm_bytes, peak, feasible,
         )
 
-    def _replicated_ms(self, configs: dict) -> float:
-        """What the runtime pays beyond the task graph for the unsplit ops
-        of a one-mesh strategy: they run replicated on the mesh
-        (`search_space.runs_on_the_mesh`), each of its `n` devices
-        computing the op whole and updating its own copy of the weights,
-        where the task graph has them on device 0 alone. On `g` compute
-        resources that is `(n - g) / g` more rounds of that work (none on
-        devices that compute at once; `n - 1` on virtual CPU devices)."""
-        mesh = max(len(c.device_ids) for c in configs.values())
-        groups = min(self.machine.compute_groups or mesh, mesh)
-        rounds = (mesh - groups) / groups
-        if rounds <= 0:
-            return 0.0
+    def _replicated_ms(self, configs: dict, mesh: MeshSpec) -> float:
+        """What the runtime pays beyond the task graph for the copies of
+        a mesh strategy (`mesh_space`): an op whose block spans part of
+        the mesh runs on every device of it, `copies` blocks computing
+        the same parts and updating their own copies of the weights,
+        where the task graph has one block. On `g` compute resources the
+        mesh's `n` parts of the op take `n / g` rounds of one part where
+        the task graph counts `p / min(p, g)` for the block's `p`: the
+        difference is added (nothing on devices that compute at once;
+        an unsplit op on `n` virtual CPU devices costs `n - 1` more)."""
+        groups = min(self.machine.compute_groups or mesh.size, mesh.size)
         extra = 0.0
         for op in self._ops:
             config = configs[op.name]
-            if not runs_on_the_mesh(config):
+            parts = len(config.device_ids)
+            rounds = mesh.size / groups - parts / min(parts, groups)
+            if rounds <= 0:
                 continue
             forward_ms, backward_ms = self.cost.op_cost(op, config, 0)
-            extra += forward_ms + backward_ms
+            extra += rounds * (forward_ms + backward_ms)
             if op.trainable_weight_bytes and not op.shares_weights_with:
-                extra += self.cost.update_ms(
-                    op.trainable_weight_bytes, self.slots, 0
+                param = op.parameter_dim
+                shards = 1 if param is None else config.dims[param]
+                extra += rounds * self.cost.update_ms(
+                    op.trainable_weight_bytes / shards, self.slots, 0
                 )
-        return rounds * extra
+        return extra
 
     def _several_meshes_ms(self, configs: dict) -> float:
         """What the runtime pays beyond the task graph for a strategy over

@@ -20,6 +20,7 @@ PACKAGE = "flexflow_keras"
 PURE = tuple(f"{PACKAGE}.{name}" for name in (
     "graph", "strategy", "search_space", "taskgraph", "schedule",
     "simulator", "search", "report", "reference", "experts", "partition",
+    "mesh_space",
     "optimizer_slots",
 ))
 OUTSIDE_PURE = ("keras", "tensorflow", f"{PACKAGE}.keras_graph")

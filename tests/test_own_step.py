@@ -399,7 +399,7 @@ SEARCH = mock.patch.dict(os.environ, {
 
 def train_both(test, name, build=None):
     """Trains feature `name` (of `FEATURES`, or made by `build(module)`)
-    both ways; asserts the issue's conditions."""
+    both ways; asserts the issue's conditions. Returns our model."""
     build = build or FEATURES[name]
     keras.utils.set_random_seed(7)
     plain, (x, y) = build(keras)
@@ -442,6 +442,7 @@ def train_both(test, name, build=None):
         test.assertLessEqual(
             float(np.max(np.abs(a - b))), rtol * scale + WEIGHT_ATOL, name
         )
+    return ours
 
 
 class OwnStepTest(unittest.TestCase):

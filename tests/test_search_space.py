@@ -94,11 +94,13 @@ class OneMeshTest(unittest.TestCase):
 
     def test_configs_split_one_dim_over_the_same_devices(self):
         dense = self.graph.op("dense_0")  # (8, 6): 6 splits 2 ways only
+        # The unsplit config last: the op replicated on the mesh.
         self.assertEqual(self.space.one_mesh_configs(dense, 2), [
             ParallelConfig((2, 1), (0, 1)), ParallelConfig((1, 2), (0, 1)),
+            ParallelConfig((1, 1), (0,)),
         ])
         self.assertEqual(self.space.one_mesh_configs(dense, 4), [
-            ParallelConfig((4, 1), (0, 1, 2, 3)),
+            ParallelConfig((4, 1), (0, 1, 2, 3)), ParallelConfig((1, 1), (0,)),
         ])
         self.assertEqual(self.space.one_mesh_configs(dense, 1), [
             ParallelConfig((1, 1), (0,)),

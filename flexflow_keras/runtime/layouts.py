@@ -11,10 +11,12 @@ mesh. DTensor runs a function whose data goes mesh A -> mesh B -> mesh A
 (forward then backward) into a hang on this TensorFlow (measured), so the
 step runs one function per segment when there are several.
 
-In a one-mesh strategy (`search_space.is_one_mesh`), an op left unsplit
-on device 0 runs replicated on the strategy's mesh instead of a mesh of
-its own: how ops that DTensor runs only replicated stay in a strategy
-whose other ops keep their splits.
+In a mesh strategy (`mesh_space.MeshSpec.of`: every config a block of
+one N-D mesh), every op runs on that mesh: its split dims on the axes
+its block spans (`mesh_space.axes_on`), replicated along the others,
+so an op left unsplit runs replicated on the whole mesh. That is how a
+model's own step (one DTensor function, one mesh) runs hybrid layouts
+and ops that DTensor runs only replicated.
 """
 
 import dataclasses
@@ -25,7 +27,7 @@ from tensorflow.experimental import dtensor
 
 from flexflow_keras import partition
 from flexflow_keras.graph import Op, OpGraph
-from flexflow_keras.search_space import is_one_mesh, runs_on_the_mesh
+from flexflow_keras.mesh_space import MeshSpec
 from flexflow_keras.strategy import Strategy
 
 UNSHARDED = dtensor.UNSHARDED
@@ -186,22 +188,27 @@ def plan_ops(
     """One `OpPlan` per op, checked against the graph."""
     plans: list[OpPlan] = []
     by_name: dict[str, OpPlan] = {}
-    home = _the_mesh(strategy, meshes)
     # The one validation (`Strategy.validate`): every op has a config
     # it can take, on devices that exist.
     Strategy(dict(strategy)).validate(graph, meshes.num_devices)
+    spec = MeshSpec.of(strategy, meshes.num_devices)
+    home = None if spec is None else meshes.get(spec.shape, spec.devices)
     for op in graph:
         config = strategy[op.name]
-        if home is not None and runs_on_the_mesh(config):
-            mesh = home  # replicated on the mesh: axis_of_dim gives none
+        if home is not None:
+            mesh = home
+            axes = {d: f"a{a}" for d, a in spec.axes(config).items()}
         else:
             mesh = meshes.get(config.dims, config.device_ids)
+            axes = axis_of_dim(config.dims)
         owner = op.shares_weights_with and by_name.get(op.shares_weights_with)
-        if owner is not None and owner.mesh != mesh:
+        if owner is not None and (
+            owner.mesh != mesh
+            or owner.axes.get(owner.op.parameter_dim)
+            != axes.get(op.parameter_dim)  # the weights' one layout
+        ):
             _untied(op, config, owner.op, strategy[owner.op.name])
-        plans.append(
-            OpPlan(op, mesh, axis_of_dim(config.dims), config.dims[0])
-        )
+        plans.append(OpPlan(op, mesh, axes, config.dims[0]))
         by_name[op.name] = plans[-1]
     return tuple(plans)
 
@@ -227,17 +234,6 @@ def _untied(op: Op, config: Any, owner: Op, owner_config: Any) -> None:
         "layer the same config (`flexflow_keras.search_space.tie_shared("
         "graph, strategy)` does)."
     )
-
-
-def _the_mesh(strategy: Any, meshes: MeshCache) -> Any:
-    """The one mesh of a one-mesh strategy with some split op (where its
-    unsplit ops on device 0 run replicated), else None."""
-    if not is_one_mesh(strategy):
-        return None
-    for config in strategy.values():
-        if not runs_on_the_mesh(config):
-            return meshes.get(config.dims, config.device_ids)
-    return None
 
 
 def segments(graph: OpGraph, plans: tuple[OpPlan, ...]) -> tuple[Segment, ...]:
