@@ -135,20 +135,21 @@ def axes_on(config: ParallelConfig, mesh: MeshSpec) -> dict[int, int] | None:
 
     `config` is on `mesh` when its split dims take distinct axes of
     their size and its devices, laid out by its degrees, are the mesh's
-    devices along those axes with every other axis at one index (the
-    block whose copy it describes). An unsplit config on any device of
-    the mesh is on it (replicated everywhere).
+    devices along those axes with every other axis at index 0: the
+    block that holds the mesh's first device, whose copies the other
+    devices compute. An unsplit config is on it on that first device
+    (replicated everywhere). A block elsewhere (devices 2, 3 of a 2 x 2
+    mesh) is a placement the runtime would not honour on the mesh, so
+    it is on no mesh with the first block: such a strategy uses several
+    meshes.
     """
     split = [(d, g) for d, g in enumerate(config.dims) if g > 1]
-    if len(split) > len(mesh.shape):
+    if len(split) > len(mesh.shape) or config.device_ids[0] != mesh.devices[0]:
         return None
-    grid = mesh.grid
-    where = np.argwhere(grid == config.device_ids[0])
-    if not len(where):
-        return None
-    origin = tuple(where[0])
     if not split:
         return {}
+    grid = mesh.grid
+    origin = (0,) * len(mesh.shape)
     ids = np.asarray(config.device_ids).reshape([g for _, g in split])
     for axes in itertools.permutations(range(len(mesh.shape)), len(split)):
         if any(mesh.shape[a] != g for a, (_, g) in zip(axes, split)):

@@ -380,10 +380,9 @@ class ReplicatedOnTheMeshTest(unittest.TestCase):
         self.assertFalse(
             search_space.is_one_mesh(Strategy({"a": split, "b": whole}))
         )
-        # On 4 devices, (0, 1) is a row of the 2 x 2 mesh and device 3
-        # is on it: "a" runs on both rows, "b" replicated everywhere.
+        # "b" placed on device 3 alone is a placement, not a copy.
         on_three = ParallelConfig((1, 1), (3,))
-        self.assertTrue(search_space.is_one_mesh(Strategy(
+        self.assertFalse(search_space.is_one_mesh(Strategy(
             {"a": ParallelConfig((2, 1), (0, 1)), "b": on_three}
         )))
         # (1, 2) is no row or column of it, nor of a mesh over (0, 1).

@@ -74,8 +74,11 @@ class BlockConfigTest(unittest.TestCase):
         self.assertIsNone(
             axes_on(ParallelConfig((4, 1), (0, 1, 2, 3)), self.mesh)
         )
-        # Unsplit anywhere on the mesh: replicated, no axis.
-        self.assertEqual(axes_on(ParallelConfig((1, 1), (3,)), self.mesh), {})
+        # Unsplit on the first device: replicated, no axis.
+        self.assertEqual(axes_on(ParallelConfig((1, 1), (0,)), self.mesh), {})
+        # Blocks away from the first device are placements: not copies.
+        self.assertIsNone(axes_on(ParallelConfig((1, 1), (3,)), self.mesh))
+        self.assertIsNone(axes_on(ParallelConfig((2, 1), (2, 3)), self.mesh))
 
     def test_mesh_configs_most_devices_first_unsplit_last(self):
         configs = mesh_space.mesh_configs(self.dense, self.mesh)
@@ -110,6 +113,13 @@ class MeshOfStrategyTest(unittest.TestCase):
         grid = {n: ParallelConfig((2, 1), (0, 2)) for n in self.names}
         grid["dense_0"] = ParallelConfig((2, 2), (0, 1, 2, 3))
         self.assertEqual(MeshSpec.of(grid, 4), MeshSpec((2, 2), (0, 1, 2, 3)))
+
+    def test_placements_are_several_meshes(self):
+        placed = {"dense_0": ParallelConfig((2, 1), (0, 1)),
+                  "dense_1": ParallelConfig((2, 1), (2, 3)),
+                  "dense_2": ParallelConfig((2, 1), (0, 1)),
+                  "relu": ParallelConfig((2, 1), (0, 1))}
+        self.assertIsNone(MeshSpec.of(placed, 4))
 
     def test_several_meshes_are_none(self):
         moved = {n: ParallelConfig((4, 1), (0, 1, 2, 3)) for n in self.names}
