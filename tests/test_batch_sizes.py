@@ -121,8 +121,11 @@ class PlanningRuleTest(unittest.TestCase):
                          [ParallelConfig((1, 1), (0,))])
         self.assertEqual(search_space.one_mesh_splits(relu, 4), [])
         dense = hand_graph(7).op("dense_0")  # (7, 6): 2 of 6 channels
+        # The split first, the unsplit config last: an op may always
+        # stay whole (replicated) on the mesh.
         self.assertEqual(search_space.one_mesh_configs(dense, 2),
-                         [ParallelConfig((1, 2), (0, 1))])
+                         [ParallelConfig((1, 2), (0, 1)),
+                          ParallelConfig((1, 1), (0,))])
 
     def test_one_mesh_devices_for_any_batch(self):
         # Every op splits 4 ways at batch 8; 2 and 3 divide 50 and 30
@@ -314,9 +317,12 @@ class BatchSizeTrainingTest(unittest.TestCase):
         self.assertTrue(search_space.is_one_mesh(ours.strategy))
         self._cases("regularized")
 
-    def test_data_parallelism_over_two_meshes(self):
-        from flexflow_keras.runtime import step
+    def test_uneven_data_parallelism_runs_on_one_2d_mesh(self):
+        from flexflow_keras.runtime import model_step
 
+        # At batch 50 on 4 devices the conv splits its batch 2 ways and
+        # the Dense ops split batch and channels 2x2: the blocks of one
+        # 2x2 mesh, so the model's own step runs it (issue 22).
         # 120 samples at 50: a last partial batch of 20 too.
         for batch, samples in ((50, 100), (50, 120)):
             with self.subTest(batch=batch, samples=samples):
@@ -326,8 +332,9 @@ class BatchSizeTrainingTest(unittest.TestCase):
                         for op in ours.plan.graph}
                 self.assertEqual(dims["Conv1D"], (2, 1, 1))
                 self.assertEqual(dims["Dense"], (2, 2))
-                self.assertFalse(search_space.is_one_mesh(ours.strategy))
-                self.assertIsInstance(ours.strategy_executor, step.Executor)
+                self.assertTrue(search_space.is_one_mesh(ours.strategy))
+                self.assertIsInstance(ours.strategy_executor,
+                                      model_step.ModelStepExecutor)
 
     def test_text_classifier_at_batch_50(self):
         train_both(self, "text_classifier", 50, 100)

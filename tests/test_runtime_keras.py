@@ -299,7 +299,8 @@ class RuntimeKerasTest(unittest.TestCase):
         strategy = Strategy({
             op.name: ParallelConfig((1,) * op.rank, (7,)) for op in graph
         })
-        with self.assertRaisesRegex(ValueError, "only 4 devices"):
+        with self.assertRaisesRegex(ValueError,
+                                    "device_ids=\\(7,\\).*has 4 devices"):
             runtime.attach_strategy(model, graph, strategy)
 
 
