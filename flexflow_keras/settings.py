@@ -230,6 +230,23 @@ def join_timeout_s(environ: Mapping[str, str] | None = None) -> float:
     return value
 
 
+def show_layouts(environ: Mapping[str, str] | None = None) -> bool:
+    """`FLEXFLOW_KERAS_SHOW_LAYOUTS` (1/0, true/false; default off): print
+    the layouts each op really ran with at a strategy's first train step
+    (`runtime/realized.py`)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_PREFIX + "SHOW_LAYOUTS", "")
+    if raw == "":
+        return False
+    try:
+        return _bool(raw)
+    except ValueError:
+        raise ValueError(
+            f"{ENV_PREFIX}SHOW_LAYOUTS must be 1 or 0 (true/false, yes/no, "
+            f"on/off). Received: {raw!r}"
+        ) from None
+
+
 def resolve(
     kwargs: Mapping[str, Any] | None = None,
     command_line: Mapping[str, Any] | None = None,

@@ -39,7 +39,7 @@ from tensorflow.experimental import dtensor
 from tensorflow.python.eager import context
 
 from flexflow_keras import capabilities
-from flexflow_keras.runtime import deferred, fresh_state, op_rules
+from flexflow_keras.runtime import deferred, fresh_state, op_rules, realized
 from flexflow_keras.runtime.fallback import (
     fall_back, op_to_replicate, to_data_parallel,
 )
@@ -355,12 +355,18 @@ class ModelStepExecutor:
         layouts = {}  # by the graph's shapes: traced ones have batch None
         for pos, value in enumerate(leaves[: len(plan.op.inputs)]):
             if _same_shape(value, plan.op.input_shapes[pos]):
-                layouts[id(value)] = plan.input_layout(
+                layouts[pos] = plan.input_layout(
                     pos, plan.op.input_shapes[pos], self._sharded
                 )
+        # By position, not by tensor: self-attention passes one tensor as
+        # query and value, whose layouts differ under a sequence split
+        # (keyed by tensor, the query came in replicated: `realized.py`).
+        positions = iter(range(len(leaves)))
 
         def relaid(value):
-            layout = layouts.get(id(value))
+            if not _is_traced_tensor(value):
+                return value
+            layout = layouts.get(next(positions))
             return value if layout is None else dtensor.relayout(
                 value, layout
             )
@@ -462,13 +468,16 @@ class ModelStepExecutor:
             @step_function
             def traced(data):
                 self._sharded = batch == self.graph.batch_size
-                with self._realized():
+                # `realized.record` traces the step once more, through
+                # here, to read the layouts DTensor gives each op.
+                with self._realized(), realized.recording(
+                        self, lambda: _TAPES.depth > 1) as returned:
                     outputs = step(data)
                 # Gathered here, in the step, rather than by an eager
                 # relayout per output after it (a DTensor dispatch each).
-                return tree.map_structure(
+                return returned(tree.map_structure(
                     lambda v: _replicated_output(v, self.mesh), outputs
-                )
+                ))
 
             traced.get_concrete_function(_specs(data, self._static_batch))
             return traced
@@ -509,13 +518,16 @@ class ModelStepExecutor:
         if kind == "train":
             self._push_learning_rates()
         outputs = function(self._on_mesh(data))
-        if (kind, _batch_of(data)) not in self._ran:
+        first = (kind, _batch_of(data)) not in self._ran
+        if first:
             # DTensor runs functions asynchronously: a first run's error
             # would surface at some later op, past `_failed`'s reach.
             context.async_wait()
         self._ran.add((kind, _batch_of(data)))
         if kind == "train":
             self.dirty = True
+            if first:  # FLEXFLOW_KERAS_SHOW_LAYOUTS
+                realized.show_once(self, data)
         return tree.map_structure(_regular, outputs)
 
     def make_function(self, kind: str) -> Any:
