@@ -1,7 +1,8 @@
 """Training across hosts: 2 DTensor clients x 2 virtual CPU devices on
 loopback (`flexflow_keras.launch`) compute what one process with 4
 devices computes, under data parallelism and under a strategy whose
-meshes span both hosts; a lost host stops the other within 60 s."""
+meshes span both hosts (also a model running its own step on a 2 x 2
+mesh); a lost host stops the other within 60 s."""
 
 import os
 import subprocess
@@ -28,6 +29,14 @@ STRATEGIES = {
         "[db] num_dims(2) dims[4,1] device_ids[0,1,2,3]\n"
         "[cat] num_dims(2) dims[4,1] device_ids[0,1,2,3]\n"
         "[out] num_dims(2) dims[1,4] device_ids[0,1,2,3]\n"
+    ),
+    # Blocks of a 2 x 2 mesh, axis 0 across the hosts (devices 0, 2),
+    # axis 1 within each (0, 1): batch x channels, channels across the
+    # hosts, batch within them.
+    "own_step": (
+        "[d0] num_dims(2) dims[2,2] device_ids[0,1,2,3]\n"
+        "[d1] num_dims(2) dims[1,2] device_ids[0,2]\n"
+        "[d2] num_dims(2) dims[2,1] device_ids[0,1]\n"
     ),
 }
 
@@ -103,6 +112,16 @@ class MultiHostTest(unittest.TestCase):
     def test_two_input_strategy_across_hosts(self):
         self._compare("two_input", "--import",
                       self._strategy_file("two_input"))
+
+    def test_own_step_model_on_two_mesh_axes_across_hosts(self):
+        """A model that runs its own step (a `train_step` override and
+        L2 regularizers) under a strategy on a 2 x 2 mesh whose outer
+        axis crosses the hosts (issue 22)."""
+        out = self._compare("own_step", "--import",
+                            self._strategy_file("own_step"))
+        for client in (0, 1):
+            self.assertIn(f"[host {client}] executor: ModelStepExecutor "
+                          "mesh: 2x2", out)
 
     def test_hosts_train_under_client_0s_search(self):
         out_dir = os.path.join(self.dir, "search")

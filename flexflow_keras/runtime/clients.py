@@ -11,6 +11,7 @@ The bytes travel as one DTensor collective over a mesh of every device
 own collectives, no transport of ours.
 """
 
+import functools
 import hashlib
 import re
 from collections.abc import Callable
@@ -48,14 +49,22 @@ def _reduce(values: np.ndarray, reduce: Any, mine: bool) -> np.ndarray:
     row = tf.constant(values if mine else np.zeros_like(values),
                       dtype=tf.int32)[tf.newaxis]
     packed = dtensor.pack([row] * len(mesh.local_devices()), layout)
+    return dtensor.unpack(_reducer(reduce, mesh)(packed))[0].numpy()
 
-    @tf.function
+
+@functools.lru_cache(maxsize=8)
+def _reducer(reduce: Any, mesh: Any) -> Any:
+    """One traced function per reduction and mesh, any vector length:
+    a function made per call retraces every time (TensorFlow's retracing
+    warning on every host)."""
+
+    @tf.function(reduce_retracing=True)
     def reduced(x):
         return dtensor.relayout(
             reduce(x, axis=0), dtensor.Layout.replicated(mesh, 1)
         )
 
-    return dtensor.unpack(reduced(packed))[0].numpy()
+    return reduced
 
 
 def _from_client_0(values: np.ndarray) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Trains a small model 3 epochs and saves losses and weights: run alone
 (4 virtual CPU devices) or once per host under flexflow_keras.launch.
 
-    python tests/scripts/multihost_train.py {mlp,two_input} OUT_DIR
+    python tests/scripts/multihost_train.py {mlp,two_input,own_step} OUT_DIR
         [--die-at-batch N] [--differ] [the package's flags: --import, --budget ...]
 
 Writes OUT_DIR/<client>.npz (client: DTENSOR_CLIENT_ID, or "solo") with
@@ -19,12 +19,37 @@ import numpy as np
 import flexflow_keras as keras
 
 
+class OwnStep(keras.Model):
+    """The train step of keras.io's "customizing what happens in fit"."""
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
 def build(kind):
-    if kind == "mlp":
+    if kind in ("mlp", "own_step"):
+        own = kind == "own_step"
+        extra = dict(kernel_regularizer=keras.regularizers.L2(0.01)) \
+            if own else {}
         inputs = keras.Input(shape=(32,), name="x")
-        h = keras.layers.Dense(64, activation="relu", name="d0")(inputs)
-        h = keras.layers.Dense(64, activation="relu", name="d1")(h)
-        return keras.Model(inputs, keras.layers.Dense(4, name="d2")(h))
+        h = keras.layers.Dense(64, activation="relu", name="d0",
+                               **extra)(inputs)
+        h = keras.layers.Dense(64, activation="relu", name="d1", **extra)(h)
+        outputs = keras.layers.Dense(4, name="d2", **extra)(h)
+        return (OwnStep if own else keras.Model)(inputs, outputs)
     a = keras.Input(shape=(32,), name="a")
     b = keras.Input(shape=(16,), name="b")
     ha = keras.layers.Dense(32, activation="relu", name="da")(a)
@@ -49,7 +74,7 @@ class DieAt(keras.callbacks.Callback):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("kind", choices=["mlp", "two_input"])
+    parser.add_argument("kind", choices=["mlp", "two_input", "own_step"])
     parser.add_argument("out")
     parser.add_argument("--die-at-batch", type=int, default=None)
     parser.add_argument("--input", default="numpy",
@@ -101,6 +126,11 @@ def main():
     history = model.fit(**data, epochs=3, verbose=0, callbacks=callbacks)
     print("strategy:", model.strategy.to_text().replace("\n", " | "))
     print("losses:", history.history["loss"])
+    executor = model.strategy_executor
+    mesh = getattr(executor, "mesh", None)
+    print("executor:", type(executor).__name__, "mesh:",
+          "none" if mesh is None else
+          "x".join(str(mesh.dim_size(n)) for n in mesh.dim_names))
     np.savez(os.path.join(args.out, f"{client}.npz"),
              losses=np.array(history.history["loss"]),
              *model.get_weights())
