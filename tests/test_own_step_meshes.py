@@ -5,14 +5,18 @@ search chooses (`mesh_space`, `search.search_meshes`). On virtual CPU
 devices, which share the host's cores, the simulator rightly prefers the
 1-D mesh, so these tests draw the strategy instead: random configs on a
 2-D (or 3-D) mesh, at least one op using two axes, then train the
-feature matrix of `test_own_step` under it and compare with plain Keras
-(losses and weights within 1e-5 relative).
+feature matrix of `test_own_step` and the layer matrix of
+`test_layer_support` under it and compare with plain Keras (losses and
+weights within 1e-5 relative). Models that run Keras's default step get
+a drawn strategy too (their whole space holds every mesh strategy), and
+any mesh strategy runs in the model's own step.
 
 The default run uses a 2 x 2 mesh of the 4 test devices; `-m slow` runs
-every feature there and, in a process of 8 devices, on 2 x 4 and
-2 x 2 x 2 meshes.
+every feature and layer there and, in a process of 8 devices, the fast
+ones on 2 x 4 and 2 x 2 x 2 meshes.
 """
 
+import contextlib
 import os
 import random
 import subprocess
@@ -22,9 +26,12 @@ from unittest import mock
 
 import pytest
 
-from flexflow_keras import mesh_space, runtime, search
+from flexflow_keras import mesh_space, search
 from flexflow_keras.mesh_space import MeshSpec
+from flexflow_keras.runtime import model_step
 from flexflow_keras.strategy import Strategy
+from test_layer_support import FAST as LAYER_FAST
+from test_layer_support import FEATURES as LAYERS
 from test_own_step import FAST, FEATURES, train_both
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,30 +61,39 @@ def drawn_strategy(graph, mesh: MeshSpec, rng: random.Random) -> Strategy:
     return strategy
 
 
+@contextlib.contextmanager
 def drawing_search(shape: tuple[int, ...], seed: int):
-    """A stand-in for `search.search_meshes` that returns a strategy
-    drawn on the mesh of `shape` (priced by the simulator it is given)."""
+    """Stand-ins for `search.search_meshes` (models that run their own
+    step) and `search.search` (Keras's default step, whose whole space
+    holds every mesh strategy too) that return a strategy drawn on the
+    mesh of `shape` (priced by the simulator they are given)."""
 
-    def search_meshes(graph, simulator, num_devices, budget, meshes=None,
-                      seed_=None, **_):
+    def drawn(graph, simulator, num_devices, *_, **__):
         strategy = drawn_strategy(graph, MeshSpec.first(shape),
                                   random.Random(seed))
         ms = simulator.simulate(strategy).step_ms
         return search.SearchResult(strategy, ms, ms, iterations=0)
 
-    return mock.patch.object(search, "search_meshes", search_meshes)
+    with mock.patch.object(search, "search_meshes", drawn), \
+            mock.patch.object(search, "search", drawn):
+        yield
 
 
-def check_on_mesh(test, shape, names, seed=0):
+def check_on_mesh(test, shape, names, seed=0, features=FEATURES):
+    """Trains each feature of `names` (keys of `features`) under a
+    strategy drawn on the mesh of `shape` against plain Keras
+    (`train_both`), and checks that the strategy used that mesh."""
     for name in [n for n in names if n not in NOT_SEARCHED]:
         with test.subTest(feature=name, mesh=shape):
             with drawing_search(shape, seed):
-                ours = train_both(test, name)
-            if not runtime.own_step_reasons(ours):
-                continue  # Keras's default step: the whole SOAP space
+                ours = train_both(test, name, features[name])
             mesh = MeshSpec.of(ours.strategy, math_prod(shape))
             test.assertIsNotNone(mesh, ours.strategy)
             test.assertGreaterEqual(len(mesh.shape), 2, ours.strategy)
+            # Any mesh strategy runs in the model's own step, Keras's
+            # default one too.
+            test.assertIsInstance(ours.strategy_executor,
+                                  model_step.ModelStepExecutor)
 
 
 def math_prod(shape):
@@ -91,11 +107,19 @@ class OwnStepOnMeshesTest(unittest.TestCase):
     def test_features_on_a_2x2_mesh(self):
         check_on_mesh(self, (2, 2), FAST)
 
+    def test_layers_on_a_2x2_mesh(self):
+        """The layer matrix (`test_layer_support`): subclassed models and
+        layers DTensor has no rule for."""
+        check_on_mesh(self, (2, 2), LAYER_FAST, features=LAYERS)
+
 
 @pytest.mark.slow
 class OwnStepOnMeshesMatrixTest(unittest.TestCase):
     def test_every_feature_on_a_2x2_mesh(self):
         check_on_mesh(self, (2, 2), FEATURES, seed=1)
+
+    def test_every_layer_on_a_2x2_mesh(self):
+        check_on_mesh(self, (2, 2), LAYERS, seed=1, features=LAYERS)
 
     def test_8_devices(self):
         """The matrix on 2 x 4 and 2 x 2 x 2 meshes of 8 devices, in a
@@ -121,3 +145,6 @@ class EightDevicesTest(unittest.TestCase):
 
     def test_2x2x2(self):
         check_on_mesh(self, (2, 2, 2), FAST, seed=3)
+
+    def test_layers_2x4(self):
+        check_on_mesh(self, (2, 4), LAYER_FAST, seed=4, features=LAYERS)
