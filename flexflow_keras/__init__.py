@@ -7,7 +7,11 @@ means in Keras; `Model` and `Sequential` add the FlexFlow search at
 """
 
 from flexflow_keras import settings as _settings
-from flexflow_keras import devices as _devices
+
+# Before TensorFlow loads: no C++ INFO lines unless the user asks.
+_settings.quiet_native_logs()
+
+from flexflow_keras import devices as _devices  # noqa: E402
 
 # Devices must exist before TensorFlow initialises, i.e. at import.
 _devices.setup_devices(_settings.resolve().cpu_devices)

@@ -12,7 +12,7 @@ the script's own flags are left untouched and in order.
 import dataclasses
 import os
 import sys
-from collections.abc import Mapping, MutableSequence
+from collections.abc import Mapping, MutableMapping, MutableSequence
 from typing import Any
 
 ENV_PREFIX = "FLEXFLOW_KERAS_"
@@ -245,6 +245,22 @@ def show_layouts(environ: Mapping[str, str] | None = None) -> bool:
             f"{ENV_PREFIX}SHOW_LAYOUTS must be 1 or 0 (true/false, yes/no, "
             f"on/off). Received: {raw!r}"
         ) from None
+
+
+# TensorFlow's C++ log level we start with: 1 hides INFO lines (DTensor
+# prints two per SPMD expansion, `dtensor_device.cc ... cache key lookup
+# missed`), keeps warnings and errors.
+NATIVE_LOG_LEVEL = "1"
+
+
+def quiet_native_logs(environ: MutableMapping[str, str] | None = None
+                      ) -> None:
+    """Sets `TF_CPP_MIN_LOG_LEVEL` to `NATIVE_LOG_LEVEL` unless the user
+    set it (theirs wins). TensorFlow reads it once, when it loads: this
+    runs at our import, before TensorFlow's; a script that imports
+    TensorFlow first keeps TensorFlow's default."""
+    env = os.environ if environ is None else environ
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", NATIVE_LOG_LEVEL)
 
 
 def resolve(
