@@ -120,7 +120,7 @@ def cmd_search(args: argparse.Namespace, out: Any) -> int:
     settings = _settings(args)
     plan = planner.make_plan(
         _load_model(args.model), args.batch_size, settings,
-        verbose=0 if args.quiet else 1, slots=args.optimizer_slots,
+        verbose=0 if args.quiet else 2, slots=args.optimizer_slots,
         print_fn=lambda line: print(line, file=out, flush=True),
     )
     if args.quiet and plan.search_result is not None:

@@ -44,7 +44,7 @@ def make_plan(
     batch_size: int,
     settings: Settings,
     optimizer: Any = None,
-    verbose: int = 1,
+    verbose: int | None = None,
     one_mesh_reason: str | None = None,
     probe: Callable[[OpGraph], OpGraph] | None = None,
     slots: int | None = None,
@@ -68,6 +68,10 @@ def make_plan(
     proposed; it raises `capabilities.Unsupported` for a layer that
     DTensor cannot run at all.
 
+    `verbose` (None: `settings.search_verbose`): 0 silent, 1 a Keras
+    progress bar (unless `print_fn` is given) and the chosen strategy, 2
+    FlexFlow's lines instead of the bar.
+
     `slots` overrides the optimizer's state per weight (the command
     line's `--optimizer-slots`); `print_fn` is where the search's lines
     go (`print` when None).
@@ -76,6 +80,8 @@ def make_plan(
     from flexflow_keras import search, search_space, simulator
     from flexflow_keras import strategy_files
 
+    if verbose is None:
+        verbose = settings.search_verbose
     graph = build_graph(model, batch_size)
     if probe is not None:
         graph = probe(graph)
@@ -117,6 +123,10 @@ def make_plan(
             verbose=verbose,
             print_fn=print_fn,
         )
+        if verbose == 1 and print_fn is None:
+            from flexflow_keras.search_progress import progress_bar
+
+            options["progress"] = progress_bar(settings.search_budget)
         if parts is None:
             result = search.search(
                 graph, sim, num_devices,

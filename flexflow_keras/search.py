@@ -66,6 +66,10 @@ from flexflow_keras.search_space import (
 from flexflow_keras.strategy import Strategy, validate_config
 
 PROGRESS_EVERY = 100
+# `progress(iterations, best_ms, data_parallel_ms, done)`: how a search
+# shows its progress (the planner's Keras progress bar); `done` on its
+# last call.
+Progress = Callable[[int, float, float, bool], None]
 # Default acceptance factor on the relative change: a proposal 1% slower
 # is accepted with probability exp(-0.01 * RELATIVE_ALPHA). Chosen on the
 # benchmark suite (bench/search_bench.py --tune; docs/SEARCH.md).
@@ -137,6 +141,7 @@ def search(
     candidates: tuple[Strategy, ...] = (),
     sweep: float = SWEEP_SHARE,
     mesh: MeshSpec | None = None,
+    progress: "Progress | None" = None,
 ) -> SearchResult:
     """Runs FlexFlow's MCMC search for `budget` iterations.
 
@@ -151,8 +156,9 @@ def search(
             (default): the relative rule with `relative_alpha`.
         seed: Seed for the proposals; the same seed, graph and simulator
             give the same result. None draws one.
-        verbose: 0 silent; 1 FlexFlow's progress lines every 100
-            iterations and the best strategy at the end.
+        verbose: 0 silent; 1 the best strategy at the end (and
+            `progress`, e.g. the planner's Keras progress bar); 2 also
+            FlexFlow's lines every 100 iterations.
         initial: Start strategy; data parallelism when None.
         print_fn: Where lines go; `print` when None.
         reset_every: Restart the chain from the best strategy every this
@@ -163,6 +169,9 @@ def search(
             `use_propagation` uses 0.7); 0 is the plain search.
         one_mesh_parts: Shorthand for `mesh=MeshSpec.first((k,))`: the
             1-D mesh of devices `0..k-1`.
+        progress: Called every 100 iterations and at the end with the
+            iterations so far, the best and the data-parallel step time
+            (`Progress`), whatever `verbose` says.
         mesh: Search only strategies on this one N-D mesh
             (`mesh_space.mesh_configs`: each op's split dims on distinct
             axes), starting from `mesh_data_parallel`; for models that
@@ -234,7 +243,10 @@ def search(
     }
     used = _DeviceUse(current) if num_devices > 1 else None
     step = _Stepper(chain, simulator, used, alpha, relative_alpha, rng,
-                    out if verbose else None)
+                    out if verbose >= 2 else None,
+                    None if progress is None else
+                    lambda: progress(chain.iterations, chain.best_ms,
+                                     data_parallel_ms, False))
     interrupted = False
     try:
         # The sweep (module docstring): each op tries its degree splits
@@ -295,6 +307,8 @@ def search(
         seed=seed,
         one_device_ms=one_device_ms,
     )
+    if progress is not None:
+        progress(chain.iterations, chain.best_ms, data_parallel_ms, True)
     if verbose:
         out(search_report(result))
     return result
@@ -309,6 +323,7 @@ def search_meshes(
     seed: int | None = None,
     verbose: int = 1,
     print_fn: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
     **options: Any,
 ) -> SearchResult:
     """The search for a model that runs its own step: one N-D mesh.
@@ -323,6 +338,7 @@ def search_meshes(
     Args:
         meshes: The meshes to weigh; None: every shape of
             `mesh_space.mesh_shapes(num_devices)` over all devices.
+        progress: As `search`'s, counting both phases' iterations.
         options: Passed on to `search` (`alpha`, `relative_alpha`, ...).
 
     Returns:
@@ -337,11 +353,28 @@ def search_meshes(
         seed = random.SystemRandom().randrange(2**31)
     start = time.perf_counter()
     share = int(budget * SWEEP_SHARE) // len(meshes) if budget else 0
-    first = [
-        (search(graph, simulator, num_devices, share, seed=seed, verbose=0,
-                mesh=mesh, sweep=1.0, **options), mesh)
-        for mesh in meshes
-    ]
+    done_before = [0]  # iterations of the searches already ended
+    best_before = [math.inf]
+
+    def phase_progress() -> Progress | None:
+        if progress is None:
+            return None
+
+        def shown(iterations, best_ms, data_parallel_ms, done):
+            best_ms = min(best_ms, best_before[0])
+            progress(done_before[0] + iterations, best_ms,
+                     data_parallel_ms, False)
+            if done:
+                done_before[0] += iterations
+                best_before[0] = best_ms
+
+        return shown
+
+    first = []
+    for each in meshes:
+        first.append((search(graph, simulator, num_devices, share,
+                             seed=seed, verbose=0, mesh=each, sweep=1.0,
+                             progress=phase_progress(), **options), each))
     best, mesh = min(first, key=lambda pair: pair[0].best_ms)
     if verbose > 1:
         for result, each in first:
@@ -350,7 +383,8 @@ def search_meshes(
     rest = budget - sum(result.iterations for result, _ in first)
     final = search(
         graph, simulator, num_devices, max(rest, 0), seed=seed,
-        verbose=0, initial=best.strategy, mesh=mesh, **options,
+        verbose=0, initial=best.strategy, mesh=mesh,
+        progress=phase_progress(), **options,
     )
     if final.best_ms > best.best_ms:
         final = dataclasses.replace(
@@ -364,6 +398,9 @@ def search_meshes(
         wall_s=time.perf_counter() - start,
         seed=seed,
     )
+    if progress is not None:
+        progress(result.iterations, result.best_ms,
+                 result.data_parallel_ms, True)
     if verbose:
         out(f"Mesh {mesh.shape} over devices 0..{mesh.size - 1} "
             f"(of {len(meshes)} shapes weighed)")
@@ -395,9 +432,11 @@ class _Stepper:
         self, chain: _Chain, simulator: Any, used: "_DeviceUse | None",
         alpha: float | None, relative_alpha: float, rng: random.Random,
         out: Callable[[str], None] | None,
+        tick: Callable[[], None] | None = None,
     ):
         self.chain, self.simulator = chain, simulator
         self.used, self.rng, self.out = used, rng, out
+        self.tick = tick
         self.alpha, self.relative_alpha = alpha, relative_alpha
 
     def try_config(
@@ -443,7 +482,11 @@ class _Stepper:
         """Ends an iteration; FlexFlow's progress line every 100."""
         chain = self.chain
         chain.iterations += 1
-        if self.out is not None and chain.iterations % PROGRESS_EVERY == 0:
+        if chain.iterations % PROGRESS_EVERY:
+            return
+        if self.tick is not None:
+            self.tick()
+        if self.out is not None:
             self.out(
                 f"iter({chain.iterations}) cur({chain.cur_ms:.2f}) "
                 f"next({next_ms:.2f}) best({chain.best_ms:.2f})"

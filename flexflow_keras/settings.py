@@ -42,6 +42,7 @@ _FLAGS = (
     _Flag("search_budget", ("--search-budget", "--budget"), _int),
     _Flag("search_alpha", ("--search-alpha", "--alpha"), float),
     _Flag("search_seed", ("--search-seed", "--seed"), _int),
+    _Flag("search_verbose", ("--search-verbose",), _int),
     _Flag("export_strategy", ("--export-strategy", "--export"), str),
     _Flag("import_strategy", ("--import-strategy", "--import"), str),
     _Flag("machine", ("--machine",), str),
@@ -61,6 +62,9 @@ class Settings:
             (default): the search's rule on the relative change
             (`search.RELATIVE_ALPHA`).
         search_seed: Seed of the search; None draws one.
+        search_verbose: 0 silent; 1 (default) a Keras progress bar and
+            the chosen strategy; 2 FlexFlow's lines every 100 iterations
+            instead of the bar.
         export_strategy: Path to write the chosen strategy to.
         import_strategy: Path of a strategy to use instead of searching.
         machine: Preset name or JSON spec path of the machine to plan
@@ -74,6 +78,7 @@ class Settings:
     search_budget: int = 1000
     search_alpha: float | None = None
     search_seed: int | None = None
+    search_verbose: int = 1
     export_strategy: str | None = None
     import_strategy: str | None = None
     machine: str | None = None
@@ -90,6 +95,12 @@ class Settings:
             raise ValueError(
                 "`search_alpha` must be >= 0. "
                 f"Received: search_alpha={self.search_alpha}"
+            )
+        if self.search_verbose not in (0, 1, 2):
+            raise ValueError(
+                "`search_verbose` must be 0 (silent), 1 (progress bar) or "
+                "2 (FlexFlow's lines). Received: "
+                f"search_verbose={self.search_verbose}"
             )
         if self.cpu_devices is not None and self.cpu_devices < 1:
             raise ValueError(

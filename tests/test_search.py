@@ -219,7 +219,7 @@ class SearchTest(unittest.TestCase):
     def test_progress_lines_and_best_strategy_block(self):
         lines = []
         search_lib.search(self.graph, FakeSimulator(self.graph), 4, 200,
-                          seed=0, verbose=1, print_fn=lines.append)
+                          seed=0, verbose=2, print_fn=lines.append)
         self.assertRegex(
             lines[0], r"^iter\(100\) cur\([\d.]+\) next\([\d.]+\) "
             r"best\([\d.]+\)$"
