@@ -1,11 +1,15 @@
 """A quiet console (issue 23): no TensorFlow C++ INFO lines at default
 verbosity (DTensor printed two `dtensor_device.cc` lines per SPMD
-expansion), and a user's own `TF_CPP_MIN_LOG_LEVEL` wins.
+expansion), and a user's own `TF_CPP_MIN_LOG_LEVEL` wins. With those
+lines on, they count DTensor's SPMD expansions: one per function over a
+5-epoch fit with validation.
 
 Each case runs a script in a process of its own: TensorFlow reads its
 log level once, when it loads."""
 
+import collections
 import os
+import re
 import subprocess
 import sys
 import unittest
@@ -22,7 +26,7 @@ model = keras.Model(inputs, keras.layers.Dense(2)(h))
 model.compile(optimizer="adam", loss="mse", search_budget=20)
 x = np.random.default_rng(0).random((64, 8), dtype=np.float32)
 y = np.random.default_rng(1).random((64, 2), dtype=np.float32)
-model.fit(x, y, batch_size=16, epochs=3, validation_split=0.25, verbose=0)
+model.fit(x, y, batch_size=16, epochs=5, validation_split=0.25, verbose=0)
 print("devices used:", len({d for c in model.strategy.values()
                             for d in c.device_ids}))
 """
@@ -49,6 +53,19 @@ class ConsoleTest(unittest.TestCase):
         self.assertEqual(done.returncode, 0, done.stderr[-3000:])
         # DTensor's expansions are logged again: the check above can fail.
         self.assertIn("dtensor_device.cc", done.stderr)
+
+    def test_one_spmd_expansion_per_function(self):
+        # DTensor re-expanded a function once when a small input's value
+        # changed (the optimizer's iteration count copied in at the
+        # second epoch): `variables._padded`.
+        done = _run(TF_CPP_MIN_LOG_LEVEL="0")
+        self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+        expanded = collections.Counter(re.findall(
+            r"cache key lookup missed for (\S+)\. DTensor is \(re-\)"
+            r"computing its SPMD", done.stderr))
+        self.assertTrue(expanded, done.stderr[-3000:])
+        self.assertEqual({n: c for n, c in expanded.items() if c > 1}, {},
+                         dict(expanded))
 
     def test_setting_keeps_the_users_value(self):
         env = {}
