@@ -5,6 +5,7 @@
     python -m flexflow_keras show s.pb [--model MODEL.keras --batch-size N]
     python -m flexflow_keras simulate MODEL.keras --machine h100x8 \\
         --batch-size 512 --import s.pb --trace trace.json
+    python -m flexflow_keras compare SCRIPT.py [ARGS...]
 
 The package is imported first (`python -m` does so), which sets up the
 devices and takes the shared flags (`--machine`, `--budget`, `--alpha`,
@@ -66,6 +67,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="Strategy file; default: data parallelism.")
     p.add_argument("--trace", default=None,
                    help="Write the simulated timeline (Chrome trace JSON).")
+
+    p = commands.add_parser(
+        "compare", help="Run a script on plain Keras and on flexflow_keras "
+        "(its Keras imports turned into ours); print both side by side.",
+    )
+    p.add_argument("script", help="The training script.")
+    p.add_argument("script_args", nargs=argparse.REMAINDER,
+                   help="Its arguments (both runs get them).")
     return parser
 
 
@@ -201,7 +210,15 @@ def _write_trace(sim: Any, strategy: Any, path: str) -> None:
     trace.write_trace(path, sim.timeline(strategy))
 
 
-COMMANDS = {"search": cmd_search, "show": cmd_show, "simulate": cmd_simulate}
+def cmd_compare(args: argparse.Namespace, out: Any) -> int:
+    """The script as written, then switched (`flexflow_keras.compare`)."""
+    from flexflow_keras import compare
+
+    return compare.compare(args.script, args.script_args, out)
+
+
+COMMANDS = {"search": cmd_search, "show": cmd_show, "simulate": cmd_simulate,
+            "compare": cmd_compare}
 
 
 def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
