@@ -46,6 +46,7 @@ batch only; an output without the batch dim nothing.
 """
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -371,6 +372,38 @@ def listed(layer: Any) -> Capability | None:
 def of_type(op_type: str) -> Capability:
     """The entry for a Keras type name (the default for others)."""
     return TABLE.get(op_type, DEFAULT)
+
+
+def argument_index(arguments: Any, position: int, name: str) -> int | None:
+    """Which of a call's input tensors (`arguments.keras_tensors`, an
+    op's inputs: Keras's flattening order, args then kwargs by sorted
+    name, every occurrence counted) is its argument at `position` or
+    keyword `name`; None when that argument is not one tensor. By
+    argument, not by tensor: in `mha(x, x)` the query is input 0 and the
+    value input 1, though both are `x`."""
+    import keras
+
+    count = iter(range(len(arguments.keras_tensors)))
+    args, kwargs = arguments.convert(
+        lambda x: next(count) if isinstance(x, keras.KerasTensor) else None
+    )
+    index = args[position] if len(args) > position else kwargs.get(name)
+    return index if isinstance(index, int) else None
+
+
+def first_input(op: Any) -> int:
+    """The input of `op` that a `FIRST_INPUT` layer's attribute splits
+    follow: its call's first argument (attention's query), wherever
+    Keras put it among the inputs (`mha(query=q, value=v, key=k)` lists
+    the key first); input 0 for an op without call arguments."""
+    if op.arguments is None or op.layer is None:
+        return 0
+    try:
+        first = next(iter(inspect.signature(op.layer.call).parameters))
+    except (StopIteration, TypeError, ValueError):
+        return 0
+    index = argument_index(op.arguments, 0, first)
+    return 0 if index is None else index
 
 
 def replicated_ops() -> frozenset[str]:

@@ -66,6 +66,9 @@ def split_input_dims(
     """
     out = op.output_shape
     follows = capabilities.of_type(op.type).inputs
+    leading = follows == capabilities.FIRST_INPUT and (
+        index == capabilities.first_input(op)
+    )
     split = set()
     for d, n in enumerate(in_shape):
         if d >= len(out) or n != out[d]:
@@ -78,7 +81,7 @@ def split_input_dims(
                 out
             )
         elif kind == ATTRIBUTE:
-            ok = (index == 0 or follows != capabilities.FIRST_INPUT) and (
+            ok = (leading or follows != capabilities.FIRST_INPUT) and (
                 len(in_shape) == len(out) or follows == capabilities.PREFIX
             )
         else:

@@ -90,6 +90,21 @@ def build_attention():
     return model, (x, _rng(1).random((BATCH, 8, 16), dtype=np.float32))
 
 
+def build_keyword_attention():
+    # Called by keyword, Keras lists the key first (sorted names):
+    # inputs are (key, query, value), the query input 1.
+    memory = keras.Input((8, 16), name="memory")
+    target = keras.Input((8, 16), name="target")
+    attended = keras.layers.MultiHeadAttention(
+        2, 8, name="attention")(query=target, value=memory, key=memory)
+    out = keras.layers.Dense(16, name="out")(attended)
+    model = StrategyModel([memory, target], out)
+    model.compile(optimizer="adam", loss="mse")
+    rng = _rng()
+    x = [rng.random((BATCH, 8, 16), dtype=np.float32) for _ in range(2)]
+    return model, (x, _rng(1).random((BATCH, 8, 16), dtype=np.float32))
+
+
 def build_embedding():
     inputs = keras.Input((6,), dtype="int32", name="ids")
     h = keras.layers.Embedding(20, 8, name="embedding")(inputs)
@@ -266,6 +281,19 @@ class RealizedLayoutsTest(unittest.TestCase):
                    for r in rows if r.op == "attention"}
         self.assertEqual(layouts["input 0"], "[-, a0, -]")
         self.assertEqual(layouts["input 1"], "[-, -, -]")
+
+    def test_keyword_attention_splits_its_query(self):
+        # `mha(query=q, value=v, key=k)`: the query is input 1, and it
+        # is the input the sequence split follows.
+        model, batch, strategy = one_step(build_keyword_attention,
+                                          sequence_splits)
+        self.assertEqual(strategy["attention"].dims, (1, DEVICES, 1))
+        rows = assert_as_planned(self, model, batch, strategy)
+        layouts = {r.tensor: realized.format_layout(r.realized)
+                   for r in rows if r.op == "attention"}
+        self.assertEqual(layouts["input 1"], "[-, a0, -]")  # query
+        self.assertEqual(layouts["input 0"], "[-, -, -]")  # key
+        self.assertEqual(layouts["input 2"], "[-, -, -]")  # value
 
     def test_check_fails_without_the_layer_hook(self):
         # Keras's own `Operation.__call__` back: no relayouts. The batch
