@@ -55,6 +55,7 @@ from flexflow_keras.flop_counting import (
     DROPOUT_FLOPS,
     SOFTMAX_FLOPS,
     Flops,
+    Shape,
     Shapes,
 )
 from flexflow_keras.flop_counting import activation_flops as _activation_flops
@@ -117,6 +118,25 @@ def describe(
         layer, input_shapes, output_shapes, arguments
     )
     return OpSpec(float(forward), float(backward), exact, kinds, axes)
+
+
+def part_flops(
+    op: Any, ins: Shapes, out: Shape
+) -> tuple[float, float] | None:
+    """(forward, backward) FLOPs of one part of `op` that reads `ins`
+    and writes `out`, for ops whose parts read some input whole
+    (`capabilities.FIRST_INPUT`: attention's key and value under a
+    sequence split, whose projections every part computes in full);
+    None for the rest, whose parts share the whole's FLOPs evenly.
+    The op's own rule, on the part's shapes."""
+    if capabilities.of_type(op.type).inputs != capabilities.FIRST_INPUT:
+        return None
+    rule = _RULES.get(op.type)
+    if rule is None or op.layer is None:
+        return None
+    forward, backward, _ = rule(_Call(op.layer, tuple(ins), (tuple(out),),
+                                      op.arguments))
+    return float(forward), float(backward)
 
 
 def _opaque(call: _Call) -> Flops:

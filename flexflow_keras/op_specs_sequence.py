@@ -9,11 +9,13 @@ import math
 from typing import Any
 
 from flexflow_keras.capabilities import LayerCall as _Call
+from flexflow_keras.capabilities import argument_index
 from flexflow_keras.flop_counting import (
     DROPOUT_FLOPS,
     SOFTMAX_FLOPS,
     Flops,
     Shape,
+    Shapes,
 )
 from flexflow_keras.flop_counting import activation_flops as _activation_flops
 from flexflow_keras.flop_counting import call_arg as _call_arg
@@ -22,6 +24,22 @@ from flexflow_keras.flop_counting import spec as _spec
 
 def _full_shape(kt: Any, batch: int) -> Shape:
     return (batch,) + tuple(kt.shape[1:])
+
+
+def _argument_shape(
+    arguments: Any, ins: Shapes, position: int, name: str, batch: int
+) -> Shape | None:
+    """The shape in `ins` of a call's tensor argument (by position or
+    keyword, `capabilities.argument_index`); None when absent. From
+    `ins`, which may be a part's (`op_specs.part_flops`); the tensor's
+    own shape where `ins` do not line up with the call."""
+    tensor = _call_arg(arguments, position, name)
+    if tensor is None:
+        return None
+    index = argument_index(arguments, position, name)
+    if index is not None and len(ins) == len(arguments.keras_tensors):
+        return tuple(ins[index])
+    return _full_shape(tensor, batch)
 
 
 def _projection_flops(sublayer: Any, rows: int) -> tuple[int, int]:
@@ -43,9 +61,10 @@ def attention(call: _Call) -> Flops:
     value = _call_arg(arguments, 1, "value")
     key = _call_arg(arguments, 2, "key")
     if query is not None and value is not None:
-        q = _full_shape(query, batch)
-        v = _full_shape(value, batch)
-        k = _full_shape(key, batch) if key is not None else v
+        # From `ins`, which may be a part's (`op_specs.part_flops`).
+        q = _argument_shape(arguments, ins, 0, "query", batch)
+        v = _argument_shape(arguments, ins, 1, "value", batch)
+        k = _argument_shape(arguments, ins, 2, "key", batch) or v
     else:
         q = ins[0]
         v = ins[1] if len(ins) > 1 else q

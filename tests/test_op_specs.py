@@ -11,8 +11,10 @@ import keras
 import model_zoo
 from graph_checks import BATCH, GraphAssertions
 
+from flexflow_keras import cost, op_specs
 from flexflow_keras.graph import ATTRIBUTE, PARAMETER, SAMPLE
 from flexflow_keras.keras_graph import build_graph
+from flexflow_keras.strategy import ParallelConfig
 
 
 class CnnGraphTest(GraphAssertions):
@@ -209,6 +211,45 @@ class TransformerGraphTest(GraphAssertions):
         scores = BATCH * 2 * 3 * 5
         expected = projections + q_rows * 8 + 2 * scores * 8 + 5 * scores
         self.assertEqual(op.forward_flops, expected)
+
+    def test_attention_part_under_a_sequence_split_projects_keys_whole(self):
+        # Each of 4 sequence parts projects its quarter of the queries
+        # but every key and value: more than a quarter of the FLOPs.
+        q = keras.Input(shape=(8, 8), name="q")
+        v = keras.Input(shape=(12, 6), name="v")
+        for name, call in (
+            ("positional", lambda mha: mha(q, v)),
+            ("keyword", lambda mha: mha(query=q, value=v, key=v)),
+        ):
+            with self.subTest(name):
+                mha = keras.layers.MultiHeadAttention(
+                    2, 4, use_bias=False, name="mha")
+                op = build_graph(keras.Model([q, v], call(mha)),
+                                 BATCH).op("mha")
+                config = ParallelConfig((1, 4, 1), (0, 1, 2, 3))
+                ins, out = cost.shard_shapes(op, config)
+                part = op_specs.part_flops(op, ins, out)
+                q_rows, k_rows = BATCH * 8 // 4, BATCH * 12
+                projections = 2 * (q_rows * 8 * 8 + 2 * k_rows * 6 * 8
+                                   + q_rows * 8 * 8)
+                scores = BATCH * 2 * (8 // 4) * 12
+                expected = (projections + q_rows * 8 + 2 * scores * 8
+                            + 5 * scores)
+                self.assertEqual(part[0], expected)
+                self.assertGreater(part[0], op.forward_flops / 4)
+                # A batch split's part is an even share.
+                batch = ParallelConfig((4, 1, 1), (0, 1, 2, 3))
+                ins, out = cost.shard_shapes(op, batch)
+                self.assertEqual(op_specs.part_flops(op, ins, out),
+                                 (op.forward_flops / 4,
+                                  op.backward_flops / 4))
+
+    def test_even_share_ops_have_no_part_rule(self):
+        x = keras.Input(shape=(8,))
+        op = build_graph(keras.Model(x, keras.layers.Dense(4, name="d")(x)),
+                         BATCH).op("d")
+        ins, out = cost.shard_shapes(op, ParallelConfig((2, 1), (0, 1)))
+        self.assertIsNone(op_specs.part_flops(op, ins, out))
 
     def test_attention_dropout_and_scores_output(self):
         x = keras.Input(shape=(6, 8))
