@@ -3,12 +3,14 @@
 import os
 import tempfile
 import unittest
+from unittest import mock
 
 import model_zoo
 
+from flexflow_keras import cost as cost_module
 from flexflow_keras.cost import (
-    CostModel, analytic_cost_model, cache_key, measured_cost_model,
-    shard_shapes,
+    CostModel, analytic_cost_model, analytic_op_ms, cache_key,
+    measured_cost_model, shard_shapes,
 )
 from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.machine import DeviceSpec, load_machine
@@ -98,6 +100,50 @@ class MeasuredTest(unittest.TestCase):
         self.assertEqual(cost.num_measured, 0)
         self.assertEqual(len(cost.fallbacks), 1)
         self.assertTrue(got[0] > 0)
+
+    def test_shard_is_timed_net_of_the_call(self):
+        # Medians, in the order taken: forward, forward+backward, and an
+        # empty function of the same inputs.
+        op = dense_op(batch=8, features=4, units=4)
+        with mock.patch.object(cost_module, "_median_ms",
+                               side_effect=[1.5, 2.5, 0.4]):
+            forward, backward = cost_module.measure_op_ms(
+                op, ParallelConfig((1, 1), (0,)), 1, 3)
+        self.assertAlmostEqual(forward, 1.1)
+        self.assertAlmostEqual(backward, 1.0)
+        # A call dearer than the op (noise) leaves 0, not below.
+        with mock.patch.object(cost_module, "_median_ms",
+                               side_effect=[0.3, 0.5, 0.4]):
+            forward, _ = cost_module.measure_op_ms(
+                op, ParallelConfig((1, 1), (0,)), 1, 3)
+        self.assertEqual(forward, 0.0)
+
+    def test_empty_call_is_timed_on_the_ops_inputs(self):
+        import tensorflow as tf
+
+        values = [tf.zeros((4, 3)), tf.zeros((2,), tf.int32)]
+        call_ms = cost_module._call_ms(tf, values, 1, 3)
+        self.assertGreater(call_ms, 0.0)
+        self.assertLess(call_ms, 1000.0)
+        # Traced once per ranks and dtypes, whatever the shapes.
+        before = len(cost_module._EMPTY_STEPS)
+        cost_module._call_ms(tf, [tf.zeros((7, 5)), tf.zeros((9,), tf.int32)],
+                             1, 3)
+        self.assertEqual(len(cost_module._EMPTY_STEPS), before)
+
+    def test_measured_shard_is_floored_at_the_roofline(self):
+        op = dense_op(batch=8, features=4, units=4)
+        config = ParallelConfig((2, 1), (0, 1))
+        machine = load_machine(None)
+        with tempfile.TemporaryDirectory() as folder:
+            cost = measured_cost_model(os.path.join(folder, "c.json"),
+                                       machine)
+            with mock.patch.object(cost_module, "measure_op_ms",
+                                   return_value=(0.0, 0.0)):
+                got = cost.op_cost(op, config, 0)
+        self.assertEqual(cost.num_measured, 1)
+        self.assertEqual(
+            got, analytic_op_ms(op, config, machine.devices[0]))
 
     def test_live_machine_defaults_to_measured(self):
         self.assertEqual(CostModel(load_machine(None)).mode, "measured")
