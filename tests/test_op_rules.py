@@ -44,6 +44,60 @@ class OpRulesTest(unittest.TestCase):
             tf.reshape(dilated, [-1]), [1, 0, 0, 2, 0, 0, 3]
         )
 
+    def test_einsum_matmul_equals_keras_matmul(self):
+        import keras
+
+        rng = np.random.default_rng(0)
+        for shape in ((2, 5, 3), (2, 4, 5, 3)):
+            x = rng.random(shape, dtype=np.float32)
+            w = rng.random((3, 6), dtype=np.float32)
+            np.testing.assert_allclose(op_rules.einsum_matmul(x, w),
+                                       keras.ops.matmul(x, w), rtol=1e-6)
+        ints = op_rules.einsum_matmul(np.ones((2, 3, 4), np.int32),
+                                      np.ones((4, 2), np.int32))
+        self.assertEqual(ints.dtype, keras.ops.matmul(
+            np.ones((2, 3, 4), np.int32), np.ones((4, 2), np.int32)).dtype)
+
+    def test_dense_on_a_sequence_split_keeps_the_split(self):
+        # Keras's `tf.tensordot` merges batch and sequence: DTensor
+        # gathers a sequence-split input and computes the whole Dense on
+        # every device. As an einsum the output stays split.
+        import keras
+        from tensorflow.experimental import dtensor
+
+        mesh = dtensor.create_mesh([("a0", 4)], device_type="CPU")
+        split = dtensor.Layout([dtensor.UNSHARDED, "a0", dtensor.UNSHARDED],
+                               mesh)
+        self.assertTrue(op_rules.splits_inner_dims(split))
+        self.assertFalse(op_rules.splits_inner_dims(
+            dtensor.Layout(["a0", dtensor.UNSHARDED, dtensor.UNSHARDED],
+                           mesh)))
+        dense = keras.layers.Dense(6)
+        dense.build((None, 8, 4))
+        kernel = dtensor.copy_to_mesh(dense.kernel.value,
+                                      dtensor.Layout.replicated(mesh, 2))
+        x = np.random.default_rng(0).random((2, 8, 4), dtype=np.float32)
+        sharded = dtensor.relayout(
+            dtensor.copy_to_mesh(x, dtensor.Layout.replicated(mesh, 3)),
+            split)
+        keras_matmul = op_rules.tf_numpy.matmul
+        for active, expected in ((False, dtensor.UNSHARDED), (True, "a0")):
+            with self.subTest(einsum=active):
+                @tf.function
+                def step(inputs):
+                    with op_rules.inner_splits_kept(active):
+                        return keras.ops.matmul(inputs, kernel)
+
+                out = step(sharded)
+                self.assertEqual(
+                    dtensor.fetch_layout(out).sharding_specs[1], expected)
+                np.testing.assert_allclose(
+                    np.concatenate([t.numpy() for t in dtensor.unpack(out)],
+                                   axis=1) if active else
+                    dtensor.unpack(out)[0].numpy(),
+                    x @ dense.kernel.numpy(), rtol=1e-5)
+                self.assertIs(op_rules.tf_numpy.matmul, keras_matmul)
+
     def test_replicated_switch_is_set_unless_the_user_set_it(self):
         import os
 

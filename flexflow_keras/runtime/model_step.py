@@ -372,7 +372,10 @@ class ModelStepExecutor:
             )
 
         args, kwargs = tree.map_structure(relaid, (args, kwargs))
-        with unrolled(operation), self._inside():
+        inner = any(op_rules.splits_inner_dims(layout)
+                    for layout in layouts.values())
+        with unrolled(operation), self._inside(), \
+                op_rules.inner_splits_kept(inner):
             outputs = _KERAS_CALL(operation, *args, **kwargs)
         flat = tree.flatten(outputs)
         placed = []

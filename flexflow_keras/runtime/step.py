@@ -218,13 +218,14 @@ class Executor:
         updates = []
         for plan in seg.ops:
             op = plan.op
-            local = {}
+            local, inner = {}, False
             for pos, name in enumerate(op.inputs):
                 if name not in local:
                     value = values[name]
                     layout = plan.input_layout(
                         pos, tuple(value.shape), sharded
                     )
+                    inner = inner or op_rules.splits_inner_dims(layout)
                     local[name] = dtensor.relayout(value, layout)
             args, kwargs = fill_arguments(op, local)
             layer = op.layer
@@ -241,6 +242,7 @@ class Executor:
                 state_mapping=mapping, collect_losses=True
             ) as scope:
                 with unrolled(layer), op_rules.substitutes(plan.mesh), \
+                        op_rules.inner_splits_kept(inner), \
                         attributes_set(self._constants[id(plan)]):
                     out = layer(*args, **kwargs)
             if scope.losses:
