@@ -6,7 +6,7 @@ values (`fill_arguments`). The only module of the planning stages that
 reads Keras objects.
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flexflow_keras import op_specs
@@ -308,18 +308,26 @@ class _GraphBuilder:
 
 
 def fill_arguments(
-    op: Op, values: Mapping[str, Any]
+    op: Op, values: Mapping[str, Any] | Sequence[Any]
 ) -> tuple[tuple, dict]:
-    """Call arguments of `op` with tensors looked up by name.
+    """Call arguments of `op` with tensors looked up by name, or (a
+    sequence) taken by input position, `op.inputs`'s order.
 
     Why: the runtime replays each call with its own (sharded) values
-    while keeping every non-tensor argument the user passed.
+    while keeping every non-tensor argument the user passed. By position
+    where one tensor is several inputs laid out apart: `mha(x, x)`'s
+    query split on the sequence, its value whole.
     """
     from keras import tree
     from keras.src.backend.common.keras_tensor import KerasTensor
 
+    by_position = not isinstance(values, Mapping)
+    positions = iter(range(len(op.inputs)))
+
     def swap(x):
         if isinstance(x, KerasTensor):
+            if by_position:
+                return values[next(positions)]
             return values[op.tensor_names[id(x)]]
         return x
 

@@ -67,6 +67,29 @@ class MlpGraphTest(GraphAssertions):
         with self.assertRaisesRegex(ValueError, "Received: batch_size=0"):
             build_graph(model_zoo.mlp(), 0)
 
+class FillArgumentsTest(GraphAssertions):
+    def test_by_position_tells_one_tensor_apart(self):
+        # `mha(x, x)` and a keyword call: by position each argument gets
+        # its own value; by name, one tensor gets one value.
+        import keras
+
+        from flexflow_keras.keras_graph import fill_arguments
+
+        x = keras.Input((4, 6), name="x")
+        y = keras.Input((5, 6), name="y")
+        a = keras.layers.MultiHeadAttention(2, 3, name="self")(x, x)
+        b = keras.layers.MultiHeadAttention(2, 3, name="cross")(
+            query=a, value=y, key=y)
+        graph = build_graph(keras.Model([x, y], b), 2)
+        args, _ = fill_arguments(graph.op("self"), ["query", "value"])
+        self.assertEqual(args, ("query", "value"))
+        by_name = fill_arguments(graph.op("self"), {"x": "both"})[0]
+        self.assertEqual(by_name, ("both", "both"))
+        cross = graph.op("cross")
+        _, kwargs = fill_arguments(cross, ["k", "q", "v"])
+        self.assertEqual(kwargs, {"key": "k", "query": "q", "value": "v"})
+
+
 class MultiInputGraphTest(GraphAssertions):
     def test_two_input_concat(self):
         graph = self.assert_consistent(model_zoo.two_input_concat())

@@ -218,15 +218,18 @@ class Executor:
         updates = []
         for plan in seg.ops:
             op = plan.op
-            local, inner = {}, False
+            # By position: one tensor may be several inputs laid out
+            # apart (`mha(x, x)`: query split on the sequence, value
+            # whole); one relayout per tensor and layout.
+            relaid, local, inner = {}, [], False
             for pos, name in enumerate(op.inputs):
-                if name not in local:
-                    value = values[name]
-                    layout = plan.input_layout(
-                        pos, tuple(value.shape), sharded
-                    )
-                    inner = inner or op_rules.splits_inner_dims(layout)
-                    local[name] = dtensor.relayout(value, layout)
+                value = values[name]
+                layout = plan.input_layout(pos, tuple(value.shape), sharded)
+                inner = inner or op_rules.splits_inner_dims(layout)
+                key = (name, layout.to_string())
+                if key not in relaid:
+                    relaid[key] = dtensor.relayout(value, layout)
+                local.append(relaid[key])
             args, kwargs = fill_arguments(op, local)
             layer = op.layer
             trainable, non_trainable = layer_variables(layer)
