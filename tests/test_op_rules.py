@@ -53,6 +53,9 @@ class OpRulesTest(unittest.TestCase):
             w = rng.random((3, 6), dtype=np.float32)
             np.testing.assert_allclose(op_rules.einsum_matmul(x, w),
                                        keras.ops.matmul(x, w), rtol=1e-6)
+            with op_rules.inner_splits_kept(True):  # NumPy in, as a user may
+                substituted = keras.ops.matmul(x, w)
+            np.testing.assert_allclose(substituted, x @ w, rtol=1e-6)
         ints = op_rules.einsum_matmul(np.ones((2, 3, 4), np.int32),
                                       np.ones((4, 2), np.int32))
         self.assertEqual(ints.dtype, keras.ops.matmul(

@@ -280,10 +280,9 @@ def einsum_matmul(x1: Any, x2: Any) -> tf.Tensor:
 def _einsum_applies(x1: Any, x2: Any) -> bool:
     if isinstance(x1, tf.SparseTensor) or isinstance(x2, tf.SparseTensor):
         return False
-    rank1, rank2 = getattr(x1, "shape", None), getattr(x2, "shape", None)
-    if rank1 is None or rank2 is None:
-        return False
-    rank1, rank2 = x1.shape.rank, x2.shape.rank
+    # Tensors, variables and NumPy arrays alike (a tuple shape has no rank).
+    rank1, rank2 = (tf.TensorShape(getattr(x, "shape", None)).rank
+                    for x in (x1, x2))
     if rank1 is None or not 3 <= rank1 <= 24 or rank2 != 2:
         return False
     from keras.src.backend.common import dtypes
