@@ -47,6 +47,7 @@ batch only; an output without the batch dim nothing.
 
 import dataclasses
 import inspect
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -391,11 +392,24 @@ def argument_index(arguments: Any, position: int, name: str) -> int | None:
     return index if isinstance(index, int) else None
 
 
+_FIRST_INPUTS: "weakref.WeakKeyDictionary[Any, int]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def first_input(op: Any) -> int:
     """The input of `op` that a `FIRST_INPUT` layer's attribute splits
     follow: its call's first argument (attention's query), wherever
     Keras put it among the inputs (`mha(query=q, value=v, key=k)` lists
-    the key first); input 0 for an op without call arguments."""
+    the key first); input 0 for an op without call arguments. Kept per
+    op (it never changes; the simulator asks per part of every edge)."""
+    index = _FIRST_INPUTS.get(op)
+    if index is None:
+        index = _FIRST_INPUTS[op] = _first_input(op)
+    return index
+
+
+def _first_input(op: Any) -> int:
     if op.arguments is None or op.layer is None:
         return 0
     try:
