@@ -4,6 +4,10 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import tensorflow as tf
+from keras import tree
+from keras.src import backend as keras_backend
+
 
 @contextlib.contextmanager
 def unrolled(layer: Any) -> Iterator[None]:
@@ -11,7 +15,9 @@ def unrolled(layer: Any) -> Iterator[None]:
 
     Why: DTensor has no layout propagation for the while-loop TensorLists
     (`tf.TensorListStack`) of a rolled RNN, nor for cuDNN RNN kernels; the
-    unrolled loop is plain ops with the same arithmetic.
+    unrolled loop is plain ops with the same arithmetic. Keras's unrolled
+    loop zeroes a backward layer's masked outputs at the wrong steps
+    (`_masked_steps_zeroed`), so its masking is redone here.
     """
     saved = []
     rnns = [layer] + [
@@ -25,8 +31,71 @@ def unrolled(layer: Any) -> Iterator[None]:
             if hasattr(rnn, name):
                 saved.append((rnn, name, getattr(rnn, name)))
                 setattr(rnn, name, value)
+    keras_rnn = keras_backend.rnn
+    keras_backend.rnn = _masked_steps_zeroed(keras_rnn)
     try:
         yield
     finally:
+        keras_backend.rnn = keras_rnn
         for rnn, name, value in saved:
             setattr(rnn, name, value)
+
+
+def _masked_steps_zeroed(keras_rnn: Any) -> Any:
+    """Keras's `backend.rnn`, with an unrolled backward loop's masked
+    outputs zeroed at the steps the rolled loop zeroes.
+
+    Keras 3's TensorFlow `rnn(unroll=True, go_backwards=True,
+    zero_output_for_mask=True)` zeroes its outputs (in processing order,
+    last time step first) with the mask in time order: a valid step's
+    output is zeroed and a padded one kept. `Bidirectional` with
+    `return_sequences=True` sets `zero_output_for_mask` on its backward
+    layer, so every masked bidirectional sequence model met it (measured:
+    outputs 0.57 off Keras's rolled loop for an LSTM, and keras.io's
+    IMDB bidirectional LSTM drifting from plain Keras from its first
+    step). Here the loop runs without `zero_output_for_mask` (masked
+    steps carry the previous output, as the rolled loop's states do) and
+    the outputs are zeroed with the mask in processing order, which is
+    what the rolled loop computes.
+    """
+
+    def rnn(step_function, inputs, initial_states, go_backwards=False,
+            mask=None, constants=None, unroll=False, input_length=None,
+            time_major=False, zero_output_for_mask=False,
+            return_all_outputs=True):
+        buggy = (unroll and go_backwards and zero_output_for_mask
+                 and mask is not None)
+        last, outputs, states = keras_rnn(
+            step_function, inputs, initial_states,
+            go_backwards=go_backwards, mask=mask, constants=constants,
+            unroll=unroll, input_length=input_length, time_major=time_major,
+            zero_output_for_mask=zero_output_for_mask and not buggy,
+            return_all_outputs=return_all_outputs,
+        )
+        if not buggy:
+            return last, outputs, states
+        keep = tf.cast(mask, tf.bool)
+        if keep.shape.rank > 2:
+            keep = keep[..., 0]
+        if time_major:  # the mask comes as (time, batch) then
+            keep = tf.transpose(keep)
+        # (batch, time) in processing order; a gather, not `tf.reverse`
+        # (DTensor has no rule for ReverseV2)
+        steps = keep.shape[1]
+        keep = tf.gather(keep, list(range(steps - 1, -1, -1)), axis=1)
+        if not return_all_outputs:
+            keep = keep[:, -1:]
+
+        def zeroed(value, step_keep):
+            for _ in range(value.shape.rank - step_keep.shape.rank):
+                step_keep = tf.expand_dims(step_keep, -1)
+            return tf.where(step_keep, value, tf.zeros_like(value))
+
+        sequence_keep = tf.transpose(keep) if time_major else keep
+        outputs = tree.map_structure(
+            lambda v: zeroed(v, sequence_keep), outputs
+        )
+        last = tree.map_structure(lambda v: zeroed(v, keep[:, -1]), last)
+        return last, outputs, states
+
+    return rnn
