@@ -31,12 +31,36 @@ print("devices used:", len({d for c in model.strategy.values()
                             for d in c.device_ids}))
 """
 
+# The same fit under a strategy over two device meshes (ops alternate
+# between devices (0, 1) and (2, 3)): the layer-by-layer executor, whose
+# backward functions took the learning rate and step as a small input.
+SEVERAL_MESHES = SCRIPT.replace(
+    'model.compile(optimizer="adam", loss="mse", search_budget=20)', """
+import os, tempfile
+from flexflow_keras.keras_graph import build_graph
+from flexflow_keras.strategy import ParallelConfig, Strategy
+from flexflow_keras.strategy_files import save_strategy
 
-def _run(**env):
+configs = {}
+for index, op in enumerate(build_graph(model, 16)):
+    devices = (0, 1) if index % 2 == 0 else (2, 3)
+    dims = (1,) * max(op.rank, 1)
+    if 0 in op.partitionable:
+        dims = (2,) + dims[1:]
+    else:
+        devices = devices[:1]
+    configs[op.name] = ParallelConfig(dims, devices)
+path = os.path.join(tempfile.mkdtemp(), "strategy.txt")
+save_strategy(Strategy(configs), path)
+model.compile(optimizer="adam", loss="mse", import_strategy=path)
+""") + 'print("executor:", type(model.strategy_executor).__module__)\n'
+
+
+def _run(script=SCRIPT, **env):
     environ = {k: v for k, v in os.environ.items()
                if k != "TF_CPP_MIN_LOG_LEVEL"}
     environ.update(env, FLEXFLOW_KERAS_CPU_DEVICES="4")
-    return subprocess.run([sys.executable, "-c", SCRIPT], env=environ,
+    return subprocess.run([sys.executable, "-c", script], env=environ,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -57,15 +81,25 @@ class ConsoleTest(unittest.TestCase):
     def test_one_spmd_expansion_per_function(self):
         # DTensor re-expanded a function once when a small input's value
         # changed (the optimizer's iteration count copied in at the
-        # second epoch): `variables._padded`.
-        done = _run(TF_CPP_MIN_LOG_LEVEL="0")
-        self.assertEqual(done.returncode, 0, done.stderr[-3000:])
-        expanded = collections.Counter(re.findall(
-            r"cache key lookup missed for (\S+)\. DTensor is \(re-\)"
-            r"computing its SPMD", done.stderr))
-        self.assertTrue(expanded, done.stderr[-3000:])
-        self.assertEqual({n: c for n, c in expanded.items() if c > 1}, {},
-                         dict(expanded))
+        # second epoch: `variables._padded`; the several-mesh backward's
+        # learning rate and step at the second step: `step.Executor.
+        # _hyper`).
+        for name, script in (("one mesh", SCRIPT),
+                             ("several meshes", SEVERAL_MESHES)):
+            with self.subTest(strategy=name):
+                done = _run(script, TF_CPP_MIN_LOG_LEVEL="0")
+                self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+                if script is SEVERAL_MESHES:
+                    self.assertIn("executor: flexflow_keras.runtime.step",
+                                  done.stdout)
+                expanded = collections.Counter(re.findall(
+                    r"cache key lookup missed for (\S+)\. DTensor is "
+                    r"\(re-\)computing its SPMD", done.stderr))
+                self.assertTrue(expanded, done.stderr[-3000:])
+                self.assertEqual(
+                    {n: c for n, c in expanded.items() if c > 1}, {},
+                    dict(expanded),
+                )
 
     def test_setting_keeps_the_users_value(self):
         env = {}

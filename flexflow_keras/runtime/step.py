@@ -32,7 +32,8 @@ from flexflow_keras.runtime.layouts import replicated, segments
 from flexflow_keras.runtime.optimizers import Updater
 from flexflow_keras.search_space import one_mesh_devices
 from flexflow_keras.runtime.variables import (
-    VariableStore, attributes_set, layer_constants, layer_variables, replicate,
+    SMALL_INPUT_ELEMENTS, VariableStore, attributes_set, layer_constants,
+    layer_variables, replicate,
 )
 
 
@@ -405,12 +406,17 @@ class Executor:
 
         Read from the Keras optimizer every step, so schedules and
         callbacks that set `learning_rate` take effect. Built on the host
-        in NumPy: one copy instead of several small eager ops.
+        in NumPy: one copy instead of several small eager ops. Padded with
+        zeros to `SMALL_INPUT_ELEMENTS`: DTensor folds a smaller input
+        into the function as a constant and expands it again when the
+        value changes (measured: every backward function expanded twice,
+        at the first and the second step).
         """
         opt = self.model.optimizer
-        lr = float(opt._get_current_learning_rate())
-        step = float(opt.iterations.numpy()) + 1.0
-        return _to_mesh(np.array([lr, step], np.float32), mesh)
+        hyper = np.zeros(SMALL_INPUT_ELEMENTS, np.float32)
+        hyper[0] = float(opt._get_current_learning_rate())
+        hyper[1] = float(opt.iterations.numpy()) + 1.0
+        return _to_mesh(hyper, mesh)
 
     def train_batch(self, data) -> dict:
         if self.updater is None:
