@@ -12,7 +12,6 @@ as in Keras.
 
 from typing import Any
 
-import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
@@ -23,14 +22,13 @@ from tensorflow.experimental import dtensor
 
 from flexflow_keras.keras_graph import fill_arguments, function_of
 from flexflow_keras.runtime import fresh_state, op_rules
-from flexflow_keras.runtime.fallback import fall_back, to_data_parallel
+from flexflow_keras.runtime.fallback import fall_back
 from flexflow_keras.runtime.keras_functions import keras_function
 from flexflow_keras.runtime.model_step import keras_logits
 from flexflow_keras.runtime.tracing import step_function
 from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.layouts import replicated, segments
 from flexflow_keras.runtime.optimizers import Updater
-from flexflow_keras.search_space import one_mesh_devices
 from flexflow_keras.runtime.variables import (
     SMALL_INPUT_ELEMENTS, VariableStore, attributes_set, layer_constants,
     layer_variables, replicate,
@@ -100,10 +98,10 @@ class OwnStepNeeded(Exception):
     which only the model's own step (`model_step.py`) counts."""
 
 
-class LogitsNeeded(Exception):
-    """Raised while a step is traced: a model output is the softmax or
-    sigmoid of logits that Keras's crossentropy would read; the loss here
-    sees the output through a function boundary, without them."""
+def _logits_name(output: str) -> str:
+    """The name under which a probability output's logits travel between
+    a segment and the loss (see `Executor._run_segment`)."""
+    return output + "#logits"
 
 
 class Executor:
@@ -127,6 +125,8 @@ class Executor:
         self.dirty = False  # DVariables newer than the Keras variables
         self.updated = False  # some weights took the running train step
         self._fns: dict[tuple, Any] = {}
+        # segment index -> its logits outputs (`_segment_outputs`)
+        self._logits_outputs: dict[int, list[str]] = {}
         if self.single_device is not None:
             # Every op on one device: Keras's own step, placed there, is
             # already the best executor; no DVariables are made.
@@ -259,22 +259,26 @@ class Executor:
             for i, (name, value) in enumerate(
                 zip(op.outputs, tree.flatten(out))
             ):
-                if name in self.graph.outputs and (
-                    keras_logits(value) is not None
-                ):
-                    raise LogitsNeeded(
-                        f"Model '{self.model.name}' outputs probabilities "
-                        f"(op '{op.name}') whose logits Keras's "
-                        "crossentropy reads, which the layer-by-layer "
-                        "step over several device meshes cannot pass to "
-                        "the loss (it would compute from the clipped "
-                        "probabilities: other losses once they saturate), "
-                        "so it trains under data parallelism instead of "
-                        "its searched strategy."
-                    )
                 layout = plan.output_layout(i, value.shape.rank, sharded)
                 values[name] = dtensor.relayout(value, layout)
+                logits = keras_logits(value)
+                if name in self.graph.outputs and logits is not None:
+                    # Keras's crossentropy computes a softmax or sigmoid
+                    # output's loss from its logits, not from the clipped
+                    # probabilities; they cross to the loss beside it.
+                    values[_logits_name(name)] = dtensor.relayout(
+                        logits, layout
+                    )
         return updates
+
+    def _segment_outputs(self, index: int, values: dict) -> list[str]:
+        """Segment `index`'s outputs, then the logits of its probability
+        outputs (known once its forward is traced)."""
+        seg = self.segments[index]
+        extra = [_logits_name(t) for t in seg.outputs
+                 if _logits_name(t) in values]
+        self._logits_outputs[index] = extra
+        return list(seg.outputs) + extra
 
     def _assign(self, updates) -> None:
         for var, value in updates:
@@ -308,7 +312,7 @@ class Executor:
                 dtensor.relayout(
                     values[t], replicated(seg.mesh, values[t].shape.rank)
                 )
-                for t in seg.outputs
+                for t in self._segment_outputs(index, values)
             ]
 
         return forward
@@ -324,7 +328,8 @@ class Executor:
                 tape.watch(floats)
                 values = dict(zip(seg.inputs, inputs))
                 updates = self._run_segment(seg, values, True, sharded)
-                outs = [values[t] for t in seg.outputs]
+                outs = [values[t]
+                        for t in self._segment_outputs(index, values)]
             grads = tape.gradient(
                 outs, floats + dvars, output_gradients=out_grads
             )
@@ -346,12 +351,13 @@ class Executor:
         model = self.model
 
         @_batch_relaxed
-        def loss_and_grads(x, y, y_pred_flat, sample_weight):
+        def loss_and_grads(x, y, y_pred_flat, logits, sample_weight):
+            present = [v for v in logits if v is not None]
             with tf.GradientTape() as tape:
-                tape.watch(y_pred_flat)
-                y_pred = self._pack_outputs(y_pred_flat)
+                tape.watch(y_pred_flat + present)
+                y_pred = self._pack_outputs(y_pred_flat, logits)
                 loss = model._compile_loss(y, y_pred, sample_weight)
-            grads = tape.gradient(loss, y_pred_flat)
+            grads = tape.gradient(loss, y_pred_flat + present)
             logs = self._update_metrics(x, y, y_pred, sample_weight, loss)
             return logs, grads
 
@@ -361,8 +367,8 @@ class Executor:
         model = self.model
 
         @_batch_relaxed
-        def metrics(x, y, y_pred_flat, sample_weight):
-            y_pred = self._pack_outputs(y_pred_flat)
+        def metrics(x, y, y_pred_flat, logits, sample_weight):
+            y_pred = self._pack_outputs(y_pred_flat, logits)
             loss = model._compile_loss(y, y_pred, sample_weight)
             return self._update_metrics(x, y, y_pred, sample_weight, loss)
 
@@ -378,9 +384,20 @@ class Executor:
             )
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    def _pack_outputs(self, flat):
+    def _pack_outputs(self, flat, logits=None):
+        """The model's outputs as Keras structures them; each probability
+        output carries its logits as Keras's activations leave them
+        (`_keras_logits`), for the crossentropies to read."""
+        flat = list(flat)
+        for value, its_logits in zip(flat, logits or ()):
+            if its_logits is not None:
+                value._keras_logits = its_logits
         struct = function_of(self.model)._outputs_struct
-        return tree.pack_sequence_as(struct, list(flat))
+        return tree.pack_sequence_as(struct, flat)
+
+    def _logits_of_outputs(self, values: dict) -> list:
+        """Per model output, its logits from `values`, or None."""
+        return [values.get(_logits_name(t)) for t in self.graph.outputs]
 
     # -- eager steps ----------------------------------------------------------
 
@@ -397,7 +414,8 @@ class Executor:
             ins = tuple(_to_mesh(values[t], seg.mesh) for t in seg.inputs)
             seg_inputs.append(ins)
             outs = self._fn("forward", i, training, *variant)(ins)
-            for t, v in zip(seg.outputs, outs):
+            names = list(seg.outputs) + self._logits_outputs.get(i, [])
+            for t, v in zip(names, outs, strict=True):
                 values[t] = _local(v)
         return values, seg_inputs
 
@@ -436,9 +454,14 @@ class Executor:
     def _train_segments(self, flat_x, x, y, sw, variant):
         values, seg_inputs = self._forward_all(flat_x, True, variant)
         y_pred = [values[t] for t in self.graph.outputs]
-        logs, dys = self._fn("loss")(x, y, y_pred, sw)
+        logits = self._logits_of_outputs(values)
+        logs, dys = self._fn("loss")(x, y, y_pred, logits, sw)
         grads: dict[str, Any] = {}
-        for t, g in zip(self.graph.outputs, dys):
+        graded = list(self.graph.outputs) + [
+            _logits_name(t) for t, v in zip(self.graph.outputs, logits)
+            if v is not None
+        ]
+        for t, g in zip(graded, dys, strict=True):
             if g is not None:
                 grads[t] = grads[t] + g if t in grads else g
         for i in reversed(range(len(self.segments))):
@@ -448,7 +471,7 @@ class Executor:
                     grads[t] if t in grads else tf.zeros_like(values[t]),
                     seg.mesh,
                 )
-                for t in seg.outputs
+                for t in list(seg.outputs) + self._logits_outputs.get(i, [])
             ]
             in_grads = self._fn("backward", i, *variant)(
                 seg_inputs[i], out_grads, self._hyper(seg.mesh)
@@ -463,17 +486,20 @@ class Executor:
 
     def test_batch(self, data) -> dict:
         x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
-        y_pred = self._predict_flat(x)
-        return self._fn("metrics")(x, y, y_pred, sw)
+        values = self._predict_values(x)
+        y_pred = [values[t] for t in self.graph.outputs]
+        logits = self._logits_of_outputs(values)
+        return self._fn("metrics")(x, y, y_pred, logits, sw)
 
-    def _predict_flat(self, x) -> list:
+    def _predict_values(self, x) -> dict:
         flat_x = self._flat_inputs(x)
         variant = self._variant(int(flat_x[0].shape[0]))
         values, _ = self._forward_all(flat_x, False, variant)
-        return [values[t] for t in self.graph.outputs]
+        return values
 
     def predict_batch(self, x) -> Any:
-        return self._pack_outputs(self._predict_flat(x))
+        values = self._predict_values(x)
+        return self._pack_outputs([values[t] for t in self.graph.outputs])
 
     # -- Keras-facing functions ---------------------------------------------
 
@@ -496,10 +522,6 @@ class Executor:
         model goes on without this strategy (see `fallback.fall_back`)."""
         if isinstance(error, OwnStepNeeded):
             return self._to_own_step(kind, str(error), batches)
-        if isinstance(error, LogitsNeeded):  # found while tracing
-            parts = one_mesh_devices(self.graph, self._num_devices)
-            return to_data_parallel(self.model, self.graph, parts, kind,
-                                    str(error), batches)
         if isinstance(error, tf.errors.OpError):
             return fall_back(self.model, kind, error, batches, self.updated)
         raise error

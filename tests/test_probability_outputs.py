@@ -1,0 +1,144 @@
+"""Probability outputs over several device meshes: the loss reads logits.
+
+Keras's crossentropies compute a softmax or sigmoid output's loss from
+its logits (`_keras_logits`), not from the clipped probabilities, which
+differ once they saturate. The layer-by-layer executor over several
+meshes (`runtime/step.py`) passes the loss its outputs through a function
+boundary; it used to refuse such a model and train it under data
+parallelism instead of its searched strategy (keras.io's IMDB
+bidirectional LSTM, whose sigmoid output met it). Now each probability
+output's logits travel beside it, and the loss and its gradient come from
+them, as in plain Keras.
+
+Each model here has its output layer initialised large enough that its
+probabilities saturate, trains 2 epochs with a validation split under an
+imported strategy whose ops alternate between devices (0, 1) and (2, 3),
+and is compared with plain Keras from the same weights: losses,
+validation losses, metrics, weights and predictions within 1e-5.
+"""
+
+import os
+import tempfile
+import unittest
+import warnings
+
+import keras
+import numpy as np
+
+import flexflow_keras as fk
+from flexflow_keras.keras_graph import build_graph
+from flexflow_keras.runtime import step
+from flexflow_keras.strategy import ParallelConfig, Strategy
+from flexflow_keras.strategy_files import save_strategy
+
+SAMPLES, BATCH, EPOCHS = 64, 16, 2
+RTOL = 1e-5
+SATURATING = {"kernel_initializer": keras.initializers.RandomNormal(
+    stddev=8.0, seed=3)}
+
+
+def several_meshes(graph) -> Strategy:
+    """Ops alternate between devices (0, 1) and (2, 3), batch split."""
+    configs = {}
+    for index, op in enumerate(graph):
+        devices = (0, 1) if index % 2 == 0 else (2, 3)
+        dims = (1,) * max(op.rank, 1)
+        if 0 in op.partitionable:
+            dims = (2,) + dims[1:]
+        else:
+            devices = devices[:1]
+        configs[op.name] = ParallelConfig(dims, devices)
+    return Strategy(configs)
+
+
+def build_softmax(mod):
+    inputs = mod.Input((12,), name="x")
+    h = mod.layers.Dense(16, activation="relu", name="d1")(inputs)
+    h = mod.layers.Dense(16, activation="tanh", name="d2")(h)
+    outputs = mod.layers.Dense(5, activation="softmax", name="probs",
+                               **SATURATING)(h)
+    model = mod.Model(inputs, outputs)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SAMPLES, 12)).astype("float32")
+    return model, (x, rng.integers(0, 5, SAMPLES))
+
+
+def build_sigmoid(mod):
+    inputs = mod.Input((12,), name="x")
+    h = mod.layers.Dense(16, activation="relu", name="d1")(inputs)
+    h = mod.layers.Dense(16, activation="tanh", name="d2")(h)
+    outputs = mod.layers.Dense(1, activation="sigmoid", name="prob",
+                               **SATURATING)(h)
+    model = mod.Model(inputs, outputs)
+    model.compile(optimizer="rmsprop", loss="binary_crossentropy",
+                  metrics=["accuracy"])
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(SAMPLES, 12)).astype("float32")
+    return model, (x, (x[:, 0] > 0).astype("float32"))
+
+
+def build_two_heads(mod):
+    # A softmax head beside a linear one: only one output has logits.
+    inputs = mod.Input((12,), name="x")
+    h = mod.layers.Dense(16, activation="relu", name="d1")(inputs)
+    classes = mod.layers.Dense(3, activation="softmax", name="classes",
+                               **SATURATING)(h)
+    value = mod.layers.Dense(1, name="value")(h)
+    model = mod.Model(inputs, [classes, value])
+    model.compile(optimizer="adam",
+                  loss=["categorical_crossentropy", "mse"])
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(SAMPLES, 12)).astype("float32")
+    labels = np.eye(3, dtype="float32")[rng.integers(0, 3, SAMPLES)]
+    return model, (x, (labels, x[:, :1]))
+
+
+class ProbabilityOutputsTest(unittest.TestCase):
+    def check(self, build):
+        keras.utils.set_random_seed(7)
+        plain, (x, y) = build(keras)
+        keras.utils.set_random_seed(7)
+        ours, _ = build(fk)
+        folder = tempfile.TemporaryDirectory()  # read when fit starts
+        self.addCleanup(folder.cleanup)
+        path = os.path.join(folder.name, "strategy.txt")
+        save_strategy(several_meshes(build_graph(ours, BATCH)), path)
+        ours.compile(optimizer=ours.optimizer, loss=ours.loss,
+                     metrics=["accuracy"] if plain.metrics_names[1:] else None,
+                     import_strategy=path)
+        fit = dict(batch_size=BATCH, epochs=EPOCHS, shuffle=False,
+                   verbose=0, validation_split=0.25)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ours_history = ours.fit(x, y, **fit).history
+        plain_history = plain.fit(x, y, **fit).history
+        self.assertEqual([str(w.message) for w in caught
+                          if "data parallelism" in str(w.message)
+                          or "plain Keras" in str(w.message)], [])
+        # Trained under the imported strategy, by the several-mesh step.
+        self.assertIsInstance(ours.strategy_executor, step.Executor)
+        self.assertGreater(len(ours.strategy_executor.segments), 1)
+        self.assertEqual(set(ours_history), set(plain_history))
+        for key in plain_history:
+            np.testing.assert_allclose(ours_history[key], plain_history[key],
+                                       rtol=RTOL, err_msg=key)
+        for a, b in zip(plain.get_weights(), ours.get_weights()):
+            scale = max(float(np.max(np.abs(a))), 1e-6)
+            self.assertLessEqual(float(np.max(np.abs(a - b))) / scale, RTOL)
+        for a, b in zip(keras.tree.flatten(plain.predict(x, verbose=0)),
+                        keras.tree.flatten(ours.predict(x, verbose=0))):
+            np.testing.assert_allclose(b, a, rtol=RTOL, atol=1e-6)
+        return plain_history
+
+    def test_softmax(self):
+        history = self.check(build_softmax)
+        # Saturated: a loss from clipped probabilities would differ.
+        self.assertGreater(history["loss"][0], 5.0)
+
+    def test_sigmoid(self):
+        self.check(build_sigmoid)
+
+    def test_softmax_beside_a_linear_output(self):
+        self.check(build_two_heads)
