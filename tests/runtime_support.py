@@ -122,6 +122,22 @@ def placement(graph):
     })
 
 
+def several_meshes(graph) -> Strategy:
+    """Operator placement over two meshes: ops alternate between devices
+    (0, 1) and (2, 3), splitting the batch where they can (the
+    layer-by-layer executor runs it)."""
+    configs = {}
+    for index, op in enumerate(graph):
+        devices = (0, 1) if index % 2 == 0 else (2, 3)
+        dims = (1,) * max(op.rank, 1)
+        if 0 in op.partitionable:
+            dims = (2,) + dims[1:]
+        else:
+            devices = devices[:1]
+        configs[op.name] = ParallelConfig(dims, devices)
+    return Strategy(configs)
+
+
 def parameter(graph):
     """Parameter split over all devices where an op has one, else DP."""
     configs = dict(data_parallel(graph))

@@ -36,24 +36,20 @@ print("devices used:", len({d for c in model.strategy.values()
 # backward functions took the learning rate and step as a small input.
 SEVERAL_MESHES = SCRIPT.replace(
     'model.compile(optimizer="adam", loss="mse", search_budget=20)', """
-import os, tempfile
+import os, sys, tempfile
+sys.path[:0] = [{tests!r}, {bench!r}]
+from runtime_support import several_meshes
 from flexflow_keras.keras_graph import build_graph
-from flexflow_keras.strategy import ParallelConfig, Strategy
 from flexflow_keras.strategy_files import save_strategy
 
-configs = {}
-for index, op in enumerate(build_graph(model, 16)):
-    devices = (0, 1) if index % 2 == 0 else (2, 3)
-    dims = (1,) * max(op.rank, 1)
-    if 0 in op.partitionable:
-        dims = (2,) + dims[1:]
-    else:
-        devices = devices[:1]
-    configs[op.name] = ParallelConfig(dims, devices)
 path = os.path.join(tempfile.mkdtemp(), "strategy.txt")
-save_strategy(Strategy(configs), path)
+save_strategy(several_meshes(build_graph(model, 16)), path)
 model.compile(optimizer="adam", loss="mse", import_strategy=path)
-""") + 'print("executor:", type(model.strategy_executor).__module__)\n'
+""".format(
+    tests=os.path.dirname(os.path.abspath(__file__)),
+    bench=os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "bench"),
+)) + 'print("executor:", type(model.strategy_executor).__module__)\n'
 
 
 def _run(script=SCRIPT, **env):

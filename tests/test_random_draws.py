@@ -22,11 +22,12 @@ import numpy as np
 import pytest
 
 import flexflow_keras as fk
+from runtime_support import several_meshes
 from flexflow_keras import runtime
 from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.search_space import one_mesh_configs
 from flexflow_keras.runtime import step
-from flexflow_keras.strategy import ParallelConfig, Strategy
+from flexflow_keras.strategy import Strategy
 from flexflow_keras.strategy_files import save_strategy
 
 SAMPLES, BATCH, EPOCHS, DEVICES = 64, 16, 2, 4
@@ -189,21 +190,6 @@ def split_channels(graph) -> Strategy:
         split_other = [c for c in choices if c.dims[0] == 1
                        and len(c.device_ids) > 1]
         configs[op.name] = (split_other or choices)[0]
-    return Strategy(configs)
-
-
-def several_meshes(graph) -> Strategy:
-    """Operator placement: ops alternate between devices (0, 1) and
-    (2, 3), splitting the batch; the layer-by-layer executor runs it."""
-    configs = {}
-    for index, op in enumerate(graph):
-        devices = (0, 1) if index % 2 == 0 else (2, 3)
-        dims = (1,) * max(op.rank, 1)
-        if 0 in op.partitionable:
-            dims = (2,) + dims[1:]
-        else:
-            devices = devices[:1]
-        configs[op.name] = ParallelConfig(dims, devices)
     return Strategy(configs)
 
 
