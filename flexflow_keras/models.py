@@ -23,6 +23,7 @@ from keras.src.models.model import functional_init_arguments
 from keras.src.saving import serialization_lib
 
 from flexflow_keras import settings as settings_lib
+from flexflow_keras import user_random
 from flexflow_keras.keras_graph import is_subclassed, needs_trace
 from flexflow_keras.model_state import state_of
 from flexflow_keras.runtime import StrategyTrainer
@@ -60,7 +61,8 @@ class _PlanningModel(StrategyTrainer):
         if batch_size is None:
             batch_size = self._static_batch_size()
         if batch_size is not None:
-            self._ensure_plan(int(batch_size))
+            with user_random.kept():
+                self._ensure_plan(int(batch_size))
 
     def compile_from_config(self, config: dict) -> None:
         """Recompiles a loaded model (Keras skips overridden compile())."""
@@ -89,10 +91,11 @@ class _PlanningModel(StrategyTrainer):
             found, x = _peek_batch(x, batch_size)
             if (not self.built and found.input_shape is not None
                     and not is_subclassed(self)):
-                self.build(found.input_shape)
-            if needs_trace(self) and state.trace_failure is None:
-                self._trace(found)
-            self._ensure_plan(found.batch_size)
+                self.build(found.input_shape)  # as Keras's fit would
+            with user_random.kept():
+                if needs_trace(self) and state.trace_failure is None:
+                    self._trace(found)
+                self._ensure_plan(found.batch_size)
         return super().fit(x, y, batch_size, *args, **kwargs)
 
     def summary(self, *args: Any, **kwargs: Any) -> None:

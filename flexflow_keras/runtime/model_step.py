@@ -39,6 +39,7 @@ from tensorflow.experimental import dtensor
 from tensorflow.python.eager import context
 
 from flexflow_keras import capabilities
+from flexflow_keras import user_random
 from flexflow_keras.runtime import deferred, fresh_state, op_rules, realized
 from flexflow_keras.runtime.fallback import (
     fall_back, op_to_replicate, to_data_parallel,
@@ -224,7 +225,8 @@ class ModelStepExecutor:
         if not self._constants:
             self._constants = layer_constants(self.model, self.mesh)
         if self._random_state is None:  # for `op_rules.stateless_random`
-            seed = np.array([np.random.randint(2**31), 0], np.int64)
+            with user_random.kept():  # seeded, not taken from the user
+                seed = np.array([np.random.randint(2**31), 0], np.int64)
             self._random_state = deferred.StepVariable(
                 to_layout(seed, replicated(self.mesh, 1)), trainable=False
             )

@@ -1,0 +1,83 @@
+"""The user's random streams stay the user's.
+
+A script seeded with `keras.utils.set_random_seed` draws the same data,
+initial weights and noise on plain Keras and on this package only if the
+package's own work (tracing the model, probing layers, measuring op
+costs, the search, building executors) takes nothing from the streams the
+script draws from. It took from all of them (measured after one compile
+and fit: Python's `random`, NumPy's global generator, TensorFlow's eager
+op seeds and so Keras's initializers differed from plain Keras's), so a
+second model built after a fit started from other weights: keras.io's
+`endpoint_layer_pattern.py` trained its subclassed model to 0.3477
+against plain Keras's 0.3487.
+
+`kept()` saves those streams and puts them back when the package's work
+is done: Python's `random` (Keras's default seeds come from it), NumPy's
+global state, TensorFlow's eager op-seed generator (`tf.random.*`
+without a seed, once a global seed is set), its global `Generator` if
+one exists, and Keras's global `SeedGenerator` (`keras.random.*`
+without a seed). Keras's own compile and fit are not wrapped: they draw
+what they draw on plain Keras too.
+"""
+
+import contextlib
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from keras.src.backend.common import global_state
+from keras.src.random import seed_generator
+from tensorflow.python.eager import context
+from tensorflow.python.ops import stateful_random_ops
+
+
+@contextlib.contextmanager
+def kept() -> Iterator[None]:
+    """Runs the block, then restores every random stream a script draws
+    from to where it was before."""
+    saved = _save()
+    try:
+        yield
+    finally:
+        _restore(saved)
+
+
+def _save() -> dict[str, Any]:
+    eager = context.context()
+    op_seeds = getattr(eager, "_rng", None)
+    keras_generator = global_state.get_global_attribute(
+        seed_generator.GLOBAL_SEED_GENERATOR
+    )
+    tf_generator = stateful_random_ops.global_generator
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "op_seeds": (op_seeds, op_seeds.getstate() if op_seeds else None),
+        "keras": (keras_generator,
+                  None if keras_generator is None
+                  else keras_generator.state.numpy()),
+        "tf_generator": (tf_generator,
+                         None if tf_generator is None
+                         else tf_generator.state.numpy()),
+    }
+
+
+def _restore(saved: dict[str, Any]) -> None:
+    random.setstate(saved["python"])
+    np.random.set_state(saved["numpy"])
+    op_seeds, state = saved["op_seeds"]
+    eager = context.context()
+    if op_seeds is not None and getattr(eager, "_rng", None) is op_seeds:
+        op_seeds.setstate(state)
+    keras_generator, state = saved["keras"]
+    global_state.set_global_attribute(
+        seed_generator.GLOBAL_SEED_GENERATOR, keras_generator
+    )
+    if keras_generator is not None:
+        keras_generator.state.assign(state)
+    tf_generator, state = saved["tf_generator"]
+    if tf_generator is None:
+        stateful_random_ops.global_generator = None
+    elif stateful_random_ops.global_generator is tf_generator:
+        tf_generator.state.assign(state)

@@ -1,0 +1,82 @@
+"""The package's own work takes nothing from the user's random streams.
+
+A script seeded once (`keras.utils.set_random_seed`) that compiles and
+fits a model, then draws data or builds a second model, must get what it
+gets on plain Keras. Tracing, probing, measuring, searching and building
+executors drew from Python's `random`, NumPy, TensorFlow's op seeds and
+so Keras's initializers (keras.io's `endpoint_layer_pattern.py`: its
+second model started from other weights). `user_random.kept()` puts the
+streams back; checked here for data parallelism, a model running its own
+step and a strategy over several meshes (the layer-by-layer executor).
+"""
+
+import os
+import random
+import tempfile
+import unittest
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import flexflow_keras as fk
+from flexflow_keras.keras_graph import build_graph
+from flexflow_keras.strategy_files import save_strategy
+from runtime_support import several_meshes
+
+
+def _next_draws() -> dict:
+    """The next value of every stream a script draws from."""
+    return {
+        "python": random.random(),
+        "numpy": float(np.random.random()),
+        "tensorflow": float(tf.random.uniform(())),
+        "keras.random": float(keras.random.uniform(())),
+        "initializer": keras.initializers.GlorotUniform()((3,)).numpy(),
+    }
+
+
+def _train(mod, own_step=False, strategy_path=None):
+    keras.utils.set_random_seed(3)
+    x = np.random.random((64, 8)).astype("float32")
+    y = np.random.random((64, 1)).astype("float32")
+    inputs = mod.Input((8,))
+    h = mod.layers.Dense(
+        8, kernel_regularizer="l2" if own_step else None
+    )(inputs)
+    model = mod.Model(inputs, mod.layers.Dense(1)(h))
+    options = {}
+    if strategy_path is not None and mod is fk:
+        save_strategy(several_meshes(build_graph(model, 16)), strategy_path)
+        options = {"import_strategy": strategy_path}
+    model.compile(optimizer="adam", loss="mse", **options)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    after = _next_draws()
+    second = keras.layers.Dense(4)
+    second.build((None, 8))
+    after["second model's kernel"] = second.kernel.numpy()
+    return model, after
+
+
+class UserRandomTest(unittest.TestCase):
+    def check(self, **options):
+        _, plain = _train(keras, **options)
+        ours, got = _train(fk, **options)
+        devices = {d for c in ours.strategy.values() for d in c.device_ids}
+        self.assertGreater(len(devices), 1)  # it ran under a strategy
+        for name, value in plain.items():
+            np.testing.assert_array_equal(got[name], value, err_msg=name)
+        return ours
+
+    def test_data_parallel(self):
+        self.check()
+
+    def test_own_step(self):
+        self.check(own_step=True)
+
+    def test_several_meshes(self):
+        with tempfile.TemporaryDirectory() as folder:
+            ours = self.check(
+                strategy_path=os.path.join(folder, "strategy.txt")
+            )
+        self.assertGreater(len(ours.strategy_executor.segments), 1)
