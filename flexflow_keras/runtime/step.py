@@ -119,7 +119,6 @@ class Executor:
         self.graph = graph
         self.plans = plans
         self.segments = segments(graph, self.plans)
-        self._num_devices = len(device_names)
         self.single_device = single_device(strategy, device_names)
         self.updater = None
         self.dirty = False  # DVariables newer than the Keras variables
@@ -280,6 +279,12 @@ class Executor:
         self._logits_outputs[index] = extra
         return list(seg.outputs) + extra
 
+    def _returned(self, index: int) -> list[str]:
+        """What segment `index`'s functions return (after its forward was
+        traced): its outputs, then its logits outputs."""
+        return (list(self.segments[index].outputs)
+                + self._logits_outputs.get(index, []))
+
     def _assign(self, updates) -> None:
         for var, value in updates:
             dvar = self.store.dvariable(var)
@@ -414,8 +419,7 @@ class Executor:
             ins = tuple(_to_mesh(values[t], seg.mesh) for t in seg.inputs)
             seg_inputs.append(ins)
             outs = self._fn("forward", i, training, *variant)(ins)
-            names = list(seg.outputs) + self._logits_outputs.get(i, [])
-            for t, v in zip(names, outs, strict=True):
+            for t, v in zip(self._returned(i), outs, strict=True):
                 values[t] = _local(v)
         return values, seg_inputs
 
@@ -471,7 +475,7 @@ class Executor:
                     grads[t] if t in grads else tf.zeros_like(values[t]),
                     seg.mesh,
                 )
-                for t in list(seg.outputs) + self._logits_outputs.get(i, [])
+                for t in self._returned(i)
             ]
             in_grads = self._fn("backward", i, *variant)(
                 seg_inputs[i], out_grads, self._hyper(seg.mesh)
