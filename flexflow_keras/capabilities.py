@@ -24,6 +24,10 @@ fact about what DTensor runs of a layer type lives here, in `TABLE`:
 - `error`: why DTensor cannot run the type at all (the lookup layers:
   their hash-table ops crash it, `crashing_ops`); a model with one
   trains as plain Keras, with one warning naming it (`apply_probes`).
+- `host`: the type runs on the host, before each step, when it takes
+  the model's own inputs (`keras_graph.hosted_nodes`: a lookup on a raw
+  feature, the usual place); its result goes into the step as one more
+  input. Elsewhere its `error` holds.
 
 Measured on TF 2.21, CPU, and checked by tests: every declared split
 runs forward and backward on DTensor and equals the unsplit op
@@ -88,12 +92,14 @@ class Capability:
 
     `error` says why DTensor cannot run the type at all, not even
     replicated (None: it runs); a model with it trains as plain Keras.
+    `host`: a call of it on the model's inputs runs on the host instead.
     """
 
     splits: Callable[[LayerCall], Splits]
     inputs: str = MATCHING
     replicated_ops: tuple[str, ...] = ()
     error: str | None = None
+    host: bool = False
 
 
 class Unsupported(Exception):
@@ -283,6 +289,14 @@ def _table() -> dict[str, Capability]:
     def cannot_run(why: str) -> Capability:
         return Capability(_replicated, error=why)
 
+    def on_host(why: str) -> Capability:
+        return Capability(_replicated, error=(
+            f"{why}. It runs on the host before each step instead only "
+            "where it takes the model's own inputs (`keras.Input`s, or "
+            "another such layer's result), is called once and its result "
+            "is not a model output"
+        ), host=True)
+
     table = {
         "Dense": Capability(_dense),
         "EinsumDense": sample,
@@ -314,12 +328,12 @@ def _table() -> dict[str, Capability]:
         "CategoryEncoding": replicated("DenseBincount"),
         # Integer inputs (string inputs need none).
         "Hashing": replicated("AsString"),
-        "StringLookup": cannot_run(crash_reason(["LookupTableFindV2"])),
-        "IntegerLookup": cannot_run(crash_reason(["LookupTableFindV2"])),
-        "TextVectorization": cannot_run(crash_reason(["LookupTableFindV2"])),
+        "StringLookup": on_host(crash_reason(["LookupTableFindV2"])),
+        "IntegerLookup": on_host(crash_reason(["LookupTableFindV2"])),
+        "TextVectorization": on_host(crash_reason(["LookupTableFindV2"])),
         # SparseCross has no rule, and even with its switch on
         # SparseToDense has no layout for its result.
-        "HashedCrossing": cannot_run(
+        "HashedCrossing": on_host(
             "its SparseCross / SparseToDense have no DTensor layout even "
             "replicated; cross the features in the tf.data pipeline"
         ),

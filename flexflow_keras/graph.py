@@ -58,6 +58,9 @@ class TensorInfo:
         dtype: dtype name.
         producer: Name of the op that makes it; `None` for model inputs.
         index: Output position within the producer.
+        hosted_by: For an input of the step that the host computes
+            before it (`keras_graph.hosted_nodes`: a lookup layer on a
+            raw feature), that layer call's name; else None.
     """
 
     name: str
@@ -65,6 +68,7 @@ class TensorInfo:
     dtype: str
     producer: str | None = None
     index: int = 0
+    hosted_by: str | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -157,7 +161,9 @@ class OpGraph:
     Args:
         ops: Ops, producers before consumers.
         tensors: Every tensor by name (model inputs and op outputs).
-        inputs: Names of the model's input tensors, in model order.
+        inputs: Names of the step's input tensors: the model's inputs
+            an op reads, in model order, then the results of the calls
+            run on the host before the step (`TensorInfo.hosted_by`).
         outputs: Names of the model's output tensors, in model order.
         batch_size: Global batch the shapes were built for.
     """

@@ -40,11 +40,75 @@ def build_graph(model: Any, batch_size: int) -> OpGraph:
             "give the Sequential model an `Input` layer."
         )
     builder = _GraphBuilder(batch_size)
-    inputs = builder.add_inputs(function)
+    builder.add_inputs(function)
+    builder.hosted = {id(node) for node in hosted_nodes(function)}
     outputs = builder.walk(function, prefix="", bindings={})
+    consumed = {t for op in builder.ops for t in op.inputs}
+    # The step's inputs: the model's (but those only the host reads),
+    # then what the host computes before the step.
+    inputs = tuple(
+        t for t in builder.inputs
+        if t in consumed or t not in builder.host_reads
+    )
     return OpGraph(
         builder.ops, builder.tensors, inputs, outputs, batch_size
     )
+
+
+def hosted_nodes(function: Any) -> list:
+    """The calls of `function` (a model's Keras `Function`, its top
+    level) that run on the host before each step, in call order.
+
+    Why: a lookup layer's hash table crashes TensorFlow's DTensor even
+    replicated (`capabilities.crash_reason`), and scripts put it right
+    on a raw feature (`StringLookup()(keras.Input(dtype="string"))`).
+    Run there, before the step, on the batch as it comes, it computes
+    what it computes in Keras; its result goes into the step as one
+    more input (`runtime/host_prefix.py`).
+
+    A call qualifies when its layer type may run on the host
+    (`capabilities.Capability.host`), every input is a model input or
+    another such call's result, its layer is called once in the model
+    (so a call inside the step names its result unambiguously), and no
+    result is a model output. Other calls of such types keep their
+    `error`: the model trains as plain Keras, saying why.
+    """
+    from flexflow_keras import capabilities
+
+    nodes = _nodes_in_order(function)
+    calls: dict[int, int] = {}
+    for node in nodes:
+        calls[id(node.operation)] = calls.get(id(node.operation), 0) + 1
+    outputs = {id(kt) for kt in function.outputs}
+    ready = {id(kt) for kt in function.inputs}
+    found = []
+    for node in nodes:
+        capability = capabilities.listed(node.operation)
+        if (capability is None or not capability.host
+                or calls[id(node.operation)] != 1
+                or _as_function(node.operation) is not None
+                or any(id(kt) not in ready
+                       for kt in node.arguments.keras_tensors)
+                or any(id(kt) in outputs for kt in node.outputs)):
+            continue
+        found.append(node)
+        ready.update(id(kt) for kt in node.outputs)
+    return found
+
+
+def _nodes_in_order(function: Any) -> list:
+    """`function`'s layer calls, producers first, a shared layer's calls
+    in the user's order."""
+    by_depth = function._nodes_by_depth
+    return [
+        node
+        for depth in sorted(by_depth, reverse=True)
+        for node in sorted(
+            by_depth[depth],
+            key=lambda n: _call_index(n) if n.operation else 0,
+        )
+        if node.operation is not None and not node.is_input
+    ]
 
 
 def has_graph(model: Any) -> bool:
@@ -177,6 +241,9 @@ class _GraphBuilder:
         self.tensors: dict[str, TensorInfo] = {}
         self.names: dict[int, str] = {}  # id(KerasTensor) -> tensor name
         self.first_op_of_layer: dict[int, str] = {}
+        self.inputs: list[str] = []  # the model's, then hosted results
+        self.hosted: set[int] = set()  # ids of `hosted_nodes`
+        self.host_reads: set[str] = set()  # tensors hosted calls read
 
     def add_inputs(self, function: Any) -> tuple[str, ...]:
         names = []
@@ -198,6 +265,7 @@ class _GraphBuilder:
             )
             self.names[id(kt)] = name
             names.append(name)
+        self.inputs.extend(names)
         return tuple(names)
 
     def static_shape(self, kt: Any, where: str) -> tuple[int, ...]:
@@ -218,16 +286,7 @@ class _GraphBuilder:
     ) -> tuple[str, ...]:
         """Adds the ops of `function`; returns its output tensor names."""
         self.names.update(bindings)
-        by_depth = function._nodes_by_depth
-        nodes = [
-            node
-            for depth in sorted(by_depth, reverse=True)
-            for node in sorted(
-                by_depth[depth],
-                key=lambda n: _call_index(n) if n.operation else 0,
-            )
-            if node.operation is not None and not node.is_input
-        ]
+        nodes = _nodes_in_order(function)
         # `name#k` numbers the calls of a shared layer in the user's order.
         call_rank = {}
         for node in nodes:
@@ -237,8 +296,27 @@ class _GraphBuilder:
             index = _call_index(node)
             rank = sorted(call_rank[id(node.operation)]).index(index)
             base = prefix + node.operation.name
-            self.add_node(node, base if rank == 0 else f"{base}#{rank}")
+            name = base if rank == 0 else f"{base}#{rank}"
+            if id(node) in self.hosted:
+                self.add_hosted(node, name)
+            else:
+                self.add_node(node, name)
         return tuple(self.names[id(kt)] for kt in function.outputs)
+
+    def add_hosted(self, node: Any, name: str) -> None:
+        """A call run on the host (`hosted_nodes`): its results are
+        inputs of the step, named as an op's outputs would be."""
+        self.host_reads.update(
+            self.names[id(kt)] for kt in node.arguments.keras_tensors
+        )
+        for i, kt in enumerate(node.outputs):
+            out = f"{name}:{i}"
+            self.tensors[out] = TensorInfo(
+                out, self.static_shape(kt, name), str(kt.dtype),
+                hosted_by=name,
+            )
+            self.names[id(kt)] = out
+            self.inputs.append(out)
 
     def add_node(self, node: Any, name: str) -> None:
         operation = node.operation

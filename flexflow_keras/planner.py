@@ -173,7 +173,16 @@ def _one_mesh_reason(graph: OpGraph) -> str | None:
       measured, and on one mesh a failure found when the step is first
       traced still hands the model to plain Keras before anything
       changed.
+    - Layers run on the host before the step (`keras_graph.hosted_nodes`):
+      their results reach the model's own step, which runs on one mesh
+      (the layer-by-layer executor feeds only the model's inputs).
     """
+    hosted = sorted({
+        graph.tensors[t].hosted_by for t in graph.inputs
+        if graph.tensors[t].hosted_by
+    })
+    if hosted:
+        return f"ops {hosted} run on the host before the step"
     shared = [op.name for op in graph if op.shares_weights_with]
     if shared:
         return f"ops {shared} call a shared layer again"

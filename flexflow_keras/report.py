@@ -67,10 +67,18 @@ def strategy_table(
         line_length: Total width of the table.
 
     Returns:
-        The table as a string, one op a row, in graph order.
+        The table as a string, one op a row, in graph order, after a row
+        for each layer call run on the host before the step (a lookup on
+        a raw feature: `TensorInfo.hosted_by`).
     """
     headers = ["Op (type)", "Output shape", "Split dims", "Devices"]
     rows = []
+    for name in graph.inputs:
+        info = graph.tensors[name]
+        if info.hosted_by:
+            rows.append([f"{info.hosted_by} (before the step)",
+                         str(info.shape), "none", "host"]
+                        + [""] * (per_op_ms is not None))
     for op in graph:
         config = strategy[op.name]
         split = _split_text(op, config.dims)

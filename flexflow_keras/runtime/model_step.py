@@ -44,6 +44,7 @@ from flexflow_keras.runtime import deferred, fresh_state, op_rules, realized
 from flexflow_keras.runtime.fallback import (
     fall_back, op_to_replicate, to_data_parallel,
 )
+from flexflow_keras.runtime.host_prefix import HostPrefix
 from flexflow_keras.runtime.keras_functions import keras_function
 from flexflow_keras.runtime.layouts import OpPlan, replicated
 from flexflow_keras.runtime.tracing import step_function
@@ -172,6 +173,13 @@ class ModelStepExecutor:
         # Ops a first run found DTensor could not lay out, now replicated.
         self.replicated_ops: list[str] = []
         self._static_batch = False  # steps traced with the batch dim known
+        # Lookup layers on raw features run on the host before each step
+        # (`host_prefix`); while a step is traced, their calls return
+        # the results it was given, by layer id.
+        self._host = HostPrefix(model) if any(
+            graph.tensors[t].hosted_by for t in graph.inputs
+        ) else None
+        self._hosted_now: dict[int, Any] = {}
 
     @property
     def retries(self) -> list[str]:
@@ -330,6 +338,9 @@ class ModelStepExecutor:
     # -- op calls (trace time) ----------------------------------------------
 
     def call_op(self, operation: Any, args: tuple, kwargs: dict) -> Any:
+        hosted = self._hosted_now.get(id(operation))
+        if hosted is not None:  # computed on the host before the step
+            return hosted
         plans = self._plans_of.get(id(operation))
         if _TAPES.depth > 1 and self._splits_beyond_batch:
             raise SecondOrderSplits(
@@ -473,11 +484,17 @@ class ModelStepExecutor:
             @step_function
             def traced(data):
                 self._sharded = batch == self.graph.batch_size
+                if self._host is not None:  # (batch, hosted results)
+                    data, hosted = data
+                    self._hosted_now = self._host.results_by_layer(hosted)
                 # `realized.record` traces the step once more, through
                 # here, to read the layouts DTensor gives each op.
                 with self._realized(), realized.recording(
                         self, lambda: _TAPES.depth > 1) as returned:
-                    outputs = step(data)
+                    try:
+                        outputs = step(data)
+                    finally:
+                        self._hosted_now = {}
                 # Gathered here, in the step, rather than by an eager
                 # relayout per output after it (a DTensor dispatch each).
                 return returned(tree.map_structure(
@@ -499,7 +516,10 @@ class ModelStepExecutor:
         copy per device) in one process; in DTensor's multi-client mode,
         a tensor of the strategy's batch is split on its batch dim over
         the mesh's first axis, each client packing only its own devices'
-        rows (`_own_rows`)."""
+        rows (`_own_rows`). With layers run on the host (`host_prefix`),
+        the batch comes with their results: `(data, results)`."""
+        if self._host is not None:
+            data = (data, self._host.compute(data))
 
         def copy(value):
             if isinstance(value, np.ndarray):
