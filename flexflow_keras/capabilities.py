@@ -232,6 +232,14 @@ BINARY_OPS = (
     "Minimum",
 )
 
+# Weightless shape and dtype ops that run on the host with the lookups
+# they feed (`keras_graph.hosted_nodes`): `StringLookup()(ops.expand_dims(
+# raw))` as keras.io's wide-and-deep script writes it.
+HOST_FEEDERS = frozenset({
+    "ExpandDims", "Squeeze", "Reshape", "Cast", "Identity",
+    "ConvertToTensor", "Flatten",
+})
+
 # TensorFlow ops that crash the process under DTensor (measured, TF 2.21:
 # a segmentation fault), so nothing runs them there; `crashing_ops`
 # finds them in a traced graph. Python inside the graph crashes DTensor
@@ -292,9 +300,9 @@ def _table() -> dict[str, Capability]:
     def on_host(why: str) -> Capability:
         return Capability(_replicated, error=(
             f"{why}. It runs on the host before each step instead only "
-            "where it takes the model's own inputs (`keras.Input`s, or "
-            "another such layer's result), is called once and its result "
-            "is not a model output"
+            "where it takes the model's own inputs (`keras.Input`s, "
+            "reshaped or cast at most) and its result is not a model "
+            "output"
         ), host=True)
 
     table = {

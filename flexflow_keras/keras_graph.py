@@ -67,33 +67,45 @@ def hosted_nodes(function: Any) -> list:
     more input (`runtime/host_prefix.py`).
 
     A call qualifies when its layer type may run on the host
-    (`capabilities.Capability.host`), every input is a model input or
-    another such call's result, its layer is called once in the model
-    (so a call inside the step names its result unambiguously), and no
-    result is a model output. Other calls of such types keep their
+    (`capabilities.Capability.host`), each input is a model input,
+    another such call's result, or one of those reshaped or cast
+    (`capabilities.HOST_FEEDERS`, which then run on the host too), and
+    no result is a model output. Other calls of such types keep their
     `error`: the model trains as plain Keras, saying why.
     """
     from flexflow_keras import capabilities
 
     nodes = _nodes_in_order(function)
-    calls: dict[int, int] = {}
-    for node in nodes:
-        calls[id(node.operation)] = calls.get(id(node.operation), 0) + 1
     outputs = {id(kt) for kt in function.outputs}
     ready = {id(kt) for kt in function.inputs}
-    found = []
+    lookups, feeders = set(), set()
     for node in nodes:
-        capability = capabilities.listed(node.operation)
-        if (capability is None or not capability.host
-                or calls[id(node.operation)] != 1
-                or _as_function(node.operation) is not None
+        operation = node.operation
+        if (_as_function(operation) is not None
                 or any(id(kt) not in ready
                        for kt in node.arguments.keras_tensors)
                 or any(id(kt) in outputs for kt in node.outputs)):
             continue
-        found.append(node)
+        capability = capabilities.listed(operation)
+        if capability is not None and capability.host:
+            lookups.add(id(node))
+        elif (type(operation).__module__.startswith("keras.")
+                and type(operation).__name__ in capabilities.HOST_FEEDERS
+                and not getattr(operation, "weights", ())):
+            feeders.add(id(node))
+        else:
+            continue
         ready.update(id(kt) for kt in node.outputs)
-    return found
+    # A feeder runs on the host only for a lookup it leads to.
+    needed: set[int] = set()
+    hosted = set()
+    for node in reversed(nodes):
+        if id(node) in lookups or (
+                id(node) in feeders
+                and any(id(kt) in needed for kt in node.outputs)):
+            hosted.add(id(node))
+            needed.update(id(kt) for kt in node.arguments.keras_tensors)
+    return [node for node in nodes if id(node) in hosted]
 
 
 def _nodes_in_order(function: Any) -> list:

@@ -65,14 +65,12 @@ def fall_back(
         raise error
     if found is None:
         first_line = str(error).strip().splitlines()[0][:300]
-        model._strategy_failed(
-            f"Model '{model.name}' trains as plain Keras on one device "
-            "from now on: TensorFlow's DTensor could not run its first "
+        return to_plain_keras(
+            model, kind,
+            "TensorFlow's DTensor could not run its first "
             f"{kind} step under the strategy ({type(error).__name__}: "
-            f"{first_line}). Results are those of plain Keras."
+            f"{first_line})", data,
         )
-        getattr(model, f"make_{kind}_function")(force=True)
-        return getattr(model, f"{kind}_function")(data)
     if kind == "train" and half_done:
         # Later segments already applied this step: redoing it in
         # Keras would apply it twice to them.
@@ -84,11 +82,20 @@ def fall_back(
             "plain Keras. Train this model with plain `keras`, or with "
             "`compile(search_budget=0)` (one mesh)."
         ) from error
+    return to_plain_keras(
+        model, kind,
+        f"TensorFlow's DTensor has no layout rule for its "
+        f"'{found.group(1)}' op, so no parallel strategy can run it", data,
+    )
+
+
+def to_plain_keras(model: Any, kind: str, reason: str, data: Any) -> Any:
+    """Plain Keras on one device from now on, starting with `data`,
+    after a step that changed nothing; says `reason` once."""
     model._strategy_failed(
         f"Model '{model.name}' trains as plain Keras on one device "
-        f"from now on: TensorFlow's DTensor has no layout rule for "
-        f"its '{found.group(1)}' op, so no parallel strategy can run "
-        "it. Results are those of plain Keras."
+        f"from now on: {reason.rstrip('.')}. Results are those of plain "
+        "Keras."
     )
     getattr(model, f"make_{kind}_function")(force=True)
     return getattr(model, f"{kind}_function")(data)

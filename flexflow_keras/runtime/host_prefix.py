@@ -10,6 +10,13 @@ into the step beside the batch, and when the model's own step calls the
 layer there, the call returns them (`model_step.call_op`), so the step
 still runs the user's `train_step`, `call` and losses unchanged.
 
+Which result a call inside the step gets is decided by what it is
+called on, traced back to the step's arguments: the batch's input it
+reads (through the reshapes and casts Keras adds), or another hosted
+result. A call on anything else (a user's step calling the model on
+data of its own making) has no hosted result: `CalledElsewhere`, and the
+model trains as plain Keras rather than take a wrong one.
+
 The operator graph (`keras_graph.build_graph`) holds these results as
 inputs of the step (`TensorInfo.hosted_by`), so the search and the
 simulator see the model as it runs on the devices.
@@ -25,6 +32,17 @@ from keras.src.trainers.data_adapters.data_adapter_utils import (
 
 from flexflow_keras.keras_graph import function_of, hosted_nodes
 
+# TensorFlow ops between a step's argument and a layer's input that
+# keep its values (Keras's input conversion and rank adjustment).
+_PASS_THROUGH = frozenset({
+    "ExpandDims", "Squeeze", "Reshape", "Identity", "Cast", "StopGradient",
+})
+
+
+class CalledElsewhere(Exception):
+    """A hosted layer called, inside the step, on something that is not
+    the batch's input it was run on before the step."""
+
 
 class HostPrefix:
     """The hosted calls of one model and a compiled function that runs
@@ -37,45 +55,104 @@ class HostPrefix:
     def __init__(self, model: Any):
         import keras
 
-        function = function_of(model)
-        nodes = hosted_nodes(function)
-        self.layers = tuple(node.operation for node in nodes)
-        self._structures = [node.outputs for node in nodes]
+        self._function = function_of(model)
+        nodes = hosted_nodes(self._function)
+        self.layers = frozenset(id(node.operation) for node in nodes)
+        # What each call reads: ("input", i) for the model's input i,
+        # ("hosted", j) for the j-th hosted result; and its results.
+        source = {id(kt): ("input", i)
+                  for i, kt in enumerate(self._function.inputs)}
+        self._calls = []
+        for node in nodes:
+            reads = tuple(source[id(kt)]
+                          for kt in node.arguments.keras_tensors)
+            first = sum(len(n.outputs) for n, _, _ in self._calls)
+            for k, kt in enumerate(node.outputs):
+                source[id(kt)] = ("hosted", first + k)
+            self._calls.append((node, reads, first))
         # A model over the same layer objects, from the model's inputs to
         # the hosted results: Keras maps a batch's inputs (a dict by
         # name, a list, one tensor) onto them as the model itself does.
         self._model = keras.Model(
-            function._inputs_struct,
+            self._function._inputs_struct,
             [kt for node in nodes for kt in node.outputs],
             name=f"{model.name}_host_prefix",
         ) if nodes else None
-        self._function = None
+        self._compiled = None
+        self._origins: dict[str, tuple] = {}  # while a step is traced
+        self._results: tuple = ()
 
     def __bool__(self) -> bool:
         return bool(self.layers)
 
     def compute(self, data: Any) -> tuple:
         """The hosted results for one batch (`data` as the step gets it:
-        `x`, `(x,)`, `(x, y)` or `(x, y, sample_weight)`), in
-        `self.layers`' order, computed on the host's CPU."""
-        if self._function is None:
-            self._function = tf.function(
+        `x`, `(x,)`, `(x, y)` or `(x, y, sample_weight)`), flat, in call
+        order, computed on the host's CPU."""
+        if self._compiled is None:
+            self._compiled = tf.function(
                 lambda x: self._model(x, training=False),
                 autograph=False, reduce_retracing=True,
             )
         x, _, _ = unpack_x_y_sample_weight(data)
         with tf.device("/CPU:0"):
-            flat = tree.flatten(self._function(x))
-        return tuple(flat)
+            return tuple(tree.flatten(self._compiled(x)))
 
-    def results_by_layer(self, flat: tuple) -> dict[int, Any]:
-        """`compute`'s results (or their traced stand-ins inside the
-        step) keyed by the id of the layer that made them, packed as
-        its call returns them."""
-        results, at = {}, 0
-        for layer, outputs in zip(self.layers, self._structures):
-            count = len(outputs)
-            values = list(flat[at:at + count])
-            at += count
-            results[id(layer)] = values[0] if count == 1 else values
-        return results
+    def begin(self, data: Any, results: tuple) -> None:
+        """While a step is traced: the traced batch and the traced
+        hosted results (the step's arguments) that calls resolve to."""
+        x, _, _ = unpack_x_y_sample_weight(data)
+        flat = self._function._standardize_inputs(x)
+        self._origins = {
+            _key(_origin(value)): ("input", i)
+            for i, value in enumerate(flat) if tf.is_tensor(value)
+        }
+        self._origins.update({
+            _key(value): ("hosted", j) for j, value in enumerate(results)
+        })
+        self._results = results
+
+    def end(self) -> None:
+        self._origins, self._results = {}, ()
+
+    def result(self, operation: Any, args: tuple, kwargs: dict) -> Any:
+        """What the traced step's call `operation(*args, **kwargs)` of a
+        hosted layer returns: the hosted result of the call that read
+        the same inputs, packed as the layer returns it.
+
+        Raises:
+            CalledElsewhere: no hosted call of this layer read them.
+        """
+        reads = tuple(
+            self._origins.get(_key(_origin(value)))
+            for value in tree.flatten((args, kwargs)) if tf.is_tensor(value)
+        )
+        for node, node_reads, first in self._calls:
+            if node.operation is operation and node_reads == reads:
+                values = list(self._results[first:first + len(node.outputs)])
+                return values[0] if len(values) == 1 else values
+        raise CalledElsewhere(
+            f"Layer '{operation.name}' ({type(operation).__name__}) runs "
+            "on the host before each step, on the batch's inputs "
+            "(TensorFlow's DTensor cannot run it), but the model's step "
+            "calls it on other tensors, for which no result was computed "
+            "there. Do this lookup in the tf.data pipeline, or call the "
+            "model only on the batch in `train_step`."
+        )
+
+
+def _origin(value: Any) -> Any:
+    """The tensor `value` was made from by ops that keep its values
+    (`_PASS_THROUGH`): a step's argument, for what Keras hands a layer."""
+    for _ in range(16):
+        op = getattr(value, "op", None)
+        if op is None or op.type not in _PASS_THROUGH or not op.inputs:
+            break
+        value = op.inputs[0]
+    return value
+
+
+def _key(value: Any) -> str:
+    """A traced tensor's name, as a key (graph tensors are not
+    hashable by value)."""
+    return getattr(value, "name", None) or str(id(value))

@@ -42,9 +42,9 @@ from flexflow_keras import capabilities
 from flexflow_keras import user_random
 from flexflow_keras.runtime import deferred, fresh_state, op_rules, realized
 from flexflow_keras.runtime.fallback import (
-    fall_back, op_to_replicate, to_data_parallel,
+    fall_back, op_to_replicate, to_data_parallel, to_plain_keras,
 )
-from flexflow_keras.runtime.host_prefix import HostPrefix
+from flexflow_keras.runtime.host_prefix import CalledElsewhere, HostPrefix
 from flexflow_keras.runtime.keras_functions import keras_function
 from flexflow_keras.runtime.layouts import OpPlan, replicated
 from flexflow_keras.runtime.tracing import step_function
@@ -175,11 +175,11 @@ class ModelStepExecutor:
         self._static_batch = False  # steps traced with the batch dim known
         # Lookup layers on raw features run on the host before each step
         # (`host_prefix`); while a step is traced, their calls return
-        # the results it was given, by layer id.
+        # the results the step was given.
         self._host = HostPrefix(model) if any(
             graph.tensors[t].hosted_by for t in graph.inputs
         ) else None
-        self._hosted_now: dict[int, Any] = {}
+        self._hosting = False  # a step with hosted results is traced
 
     @property
     def retries(self) -> list[str]:
@@ -338,9 +338,9 @@ class ModelStepExecutor:
     # -- op calls (trace time) ----------------------------------------------
 
     def call_op(self, operation: Any, args: tuple, kwargs: dict) -> Any:
-        hosted = self._hosted_now.get(id(operation))
-        if hosted is not None:  # computed on the host before the step
-            return hosted
+        if self._hosting and id(operation) in self._host.layers:
+            # Computed on the host before the step.
+            return self._host.result(operation, args, kwargs)
         plans = self._plans_of.get(id(operation))
         if _TAPES.depth > 1 and self._splits_beyond_batch:
             raise SecondOrderSplits(
@@ -486,7 +486,8 @@ class ModelStepExecutor:
                 self._sharded = batch == self.graph.batch_size
                 if self._host is not None:  # (batch, hosted results)
                     data, hosted = data
-                    self._hosted_now = self._host.results_by_layer(hosted)
+                    self._host.begin(data, hosted)
+                    self._hosting = True
                 # `realized.record` traces the step once more, through
                 # here, to read the layouts DTensor gives each op.
                 with self._realized(), realized.recording(
@@ -494,7 +495,9 @@ class ModelStepExecutor:
                     try:
                         outputs = step(data)
                     finally:
-                        self._hosted_now = {}
+                        if self._hosting:
+                            self._hosting = False
+                            self._host.end()
                 # Gathered here, in the step, rather than by an eager
                 # relayout per output after it (a DTensor dispatch each).
                 return returned(tree.map_structure(
@@ -568,6 +571,8 @@ class ModelStepExecutor:
         if isinstance(error, SecondOrderSplits):  # found while tracing
             return to_data_parallel(self.model, self.graph, self.mesh.size,
                                     kind, str(error), batches)
+        if isinstance(error, CalledElsewhere):  # found while tracing
+            return to_plain_keras(self.model, kind, str(error), batches)
         if not isinstance(error, tf.errors.OpError):
             raise error
         first = (kind, _batch_of(batch)) not in self._ran
