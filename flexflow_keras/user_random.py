@@ -68,8 +68,14 @@ def _restore(saved: dict[str, Any]) -> None:
     np.random.set_state(saved["numpy"])
     op_seeds, state = saved["op_seeds"]
     eager = context.context()
-    if op_seeds is not None and getattr(eager, "_rng", None) is op_seeds:
+    if op_seeds is not None and getattr(eager, "_rng", None) is op_seeds \
+            and op_seeds.getstate() != state:
         op_seeds.setstate(state)
+        # An eager random op keeps its kernel, whose stream advanced as
+        # it drew, per (global, op) seed pair: the user's next draws get
+        # the pairs the package's took, so those kernels must start
+        # afresh (as `tf.random.set_seed` makes them).
+        eager.clear_kernel_cache()
     keras_generator, state = saved["keras"]
     global_state.set_global_attribute(
         seed_generator.GLOBAL_SEED_GENERATOR, keras_generator

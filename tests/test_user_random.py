@@ -6,7 +6,9 @@ gets on plain Keras. Tracing, probing, measuring, searching and building
 executors drew from Python's `random`, NumPy, TensorFlow's op seeds and
 so Keras's initializers (keras.io's `endpoint_layer_pattern.py`: its
 second model started from other weights). `user_random.kept()` puts the
-streams back; checked here for data parallelism, a model running its own
+streams back (and drops TensorFlow's eager random kernels the package
+drew from, whose streams advanced); each test starts with nothing
+measured, as a new user's first run; checked here for data parallelism, a model running its own
 step and a strategy over several meshes (the layer-by-layer executor).
 """
 
@@ -14,13 +16,16 @@ import os
 import random
 import tempfile
 import unittest
+from unittest import mock
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 import flexflow_keras as fk
+from flexflow_keras import calibration, cost
 from flexflow_keras.keras_graph import build_graph
+from flexflow_keras.runtime import probe
 from flexflow_keras.strategy_files import save_strategy
 from runtime_support import several_meshes
 
@@ -59,6 +64,19 @@ def _train(mod, own_step=False, strategy_path=None):
 
 
 class UserRandomTest(unittest.TestCase):
+    def setUp(self):
+        # Nothing measured yet, as on a new user's machine: measuring op
+        # costs draws from TensorFlow's eager random ops, whose kernels
+        # keep their streams per seed pair (a first run's later
+        # `tf.random` draws differed from plain Keras's).
+        folder = tempfile.mkdtemp()
+        for module in (cost, calibration, probe):
+            patcher = mock.patch.object(
+                module, "DEFAULT_CACHE_PATH",
+                os.path.join(folder, f"{module.__name__}.json"))
+            patcher.start()
+            self.addCleanup(patcher.stop)
+
     def check(self, **options):
         _, plain = _train(keras, **options)
         ours, got = _train(fk, **options)
