@@ -61,7 +61,7 @@ class _PlanningModel(StrategyTrainer):
         if batch_size is None:
             batch_size = self._static_batch_size()
         if batch_size is not None:
-            with user_random.kept():
+            with user_random.kept(self):
                 self._ensure_plan(int(batch_size))
 
     def compile_from_config(self, config: dict) -> None:
@@ -92,7 +92,7 @@ class _PlanningModel(StrategyTrainer):
             if (not self.built and found.input_shape is not None
                     and not is_subclassed(self)):
                 self.build(found.input_shape)  # as Keras's fit would
-            with user_random.kept():
+            with user_random.kept(self):
                 if needs_trace(self) and state.trace_failure is None:
                     self._trace(found)
                 self._ensure_plan(found.batch_size)

@@ -16,8 +16,10 @@ is done: Python's `random` (Keras's default seeds come from it), NumPy's
 global state, TensorFlow's eager op-seed generator (`tf.random.*`
 without a seed, once a global seed is set), its global `Generator` if
 one exists, and Keras's global `SeedGenerator` (`keras.random.*`
-without a seed). Keras's own compile and fit are not wrapped: they draw
-what they draw on plain Keras too.
+without a seed), and given a model, its non-trainable variables (its
+layers' seed states: measuring a random layer's cost draws from them).
+Keras's own compile and fit are not wrapped: they draw what they draw on
+plain Keras too.
 """
 
 import contextlib
@@ -33,14 +35,27 @@ from tensorflow.python.ops import stateful_random_ops
 
 
 @contextlib.contextmanager
-def kept() -> Iterator[None]:
+def kept(model: Any = None) -> Iterator[None]:
     """Runs the block, then restores every random stream a script draws
-    from to where it was before."""
+    from to where it was before, and `model`'s non-trainable state.
+
+    Why the model's state: measuring an op's cost runs its layer, and a
+    random preprocessing layer (RandomFlip, RandomRotation: `training`
+    defaults to True) draws from its own `SeedGenerator` as it runs, so
+    on a first run (costs not cached yet) training started from other
+    seeds than plain Keras's. Non-trainable variables hold those seeds,
+    and whatever else a layer's call may update (moving statistics).
+    """
     saved = _save()
+    states = [(v, v.numpy()) for v in getattr(
+        model, "non_trainable_variables", ())]
     try:
         yield
     finally:
         _restore(saved)
+        for variable, value in states:
+            if not np.array_equal(variable.numpy(), value):
+                variable.assign(value)
 
 
 def _save() -> dict[str, Any]:

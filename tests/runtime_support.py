@@ -4,6 +4,7 @@ Not a test module (it holds no tests): `test_runtime_equivalence.py` and
 `test_runtime_keras.py` import it.
 """
 
+import os
 import random
 
 import keras
@@ -210,3 +211,23 @@ def assert_same_training(test, ref, model, history_ref, history, rtol=1e-5):
         )
     for w, r, v in zip(model.weights, ref.get_weights(), model.get_weights()):
         test.assertLess(relative_error(v, r), rtol, msg=w.path)
+
+
+def fresh_caches(test):
+    """Nothing measured for the rest of `test`, as on a new user's
+    machine: the op-cost, live-machine and probe caches point at an
+    empty folder (measuring runs layers, which is what some tests are
+    about: it drew from random layers' seeds and TensorFlow's kernels)."""
+    import tempfile
+    from unittest import mock
+
+    from flexflow_keras import calibration, cost
+    from flexflow_keras.runtime import probe
+
+    folder = tempfile.mkdtemp()
+    for module in (cost, calibration, probe):
+        patcher = mock.patch.object(
+            module, "DEFAULT_CACHE_PATH",
+            os.path.join(folder, f"{module.__name__}.json"))
+        patcher.start()
+        test.addCleanup(patcher.stop)

@@ -16,18 +16,15 @@ import os
 import random
 import tempfile
 import unittest
-from unittest import mock
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 import flexflow_keras as fk
-from flexflow_keras import calibration, cost
 from flexflow_keras.keras_graph import build_graph
-from flexflow_keras.runtime import probe
 from flexflow_keras.strategy_files import save_strategy
-from runtime_support import several_meshes
+from runtime_support import fresh_caches, several_meshes
 
 
 def _next_draws() -> dict:
@@ -65,17 +62,11 @@ def _train(mod, own_step=False, strategy_path=None):
 
 class UserRandomTest(unittest.TestCase):
     def setUp(self):
-        # Nothing measured yet, as on a new user's machine: measuring op
-        # costs draws from TensorFlow's eager random ops, whose kernels
-        # keep their streams per seed pair (a first run's later
-        # `tf.random` draws differed from plain Keras's).
-        folder = tempfile.mkdtemp()
-        for module in (cost, calibration, probe):
-            patcher = mock.patch.object(
-                module, "DEFAULT_CACHE_PATH",
-                os.path.join(folder, f"{module.__name__}.json"))
-            patcher.start()
-            self.addCleanup(patcher.stop)
+        # Nothing measured yet: measuring op costs draws from
+        # TensorFlow's eager random ops, whose kernels keep their streams
+        # per seed pair (a first run's later `tf.random` draws differed
+        # from plain Keras's).
+        fresh_caches(self)
 
     def check(self, **options):
         _, plain = _train(keras, **options)
@@ -98,3 +89,20 @@ class UserRandomTest(unittest.TestCase):
                 strategy_path=os.path.join(folder, "strategy.txt")
             )
         self.assertGreater(len(ours.strategy_executor.segments), 1)
+
+
+class LayerSeedsTest(unittest.TestCase):
+    def test_planning_leaves_a_random_layers_seed_where_it_was(self):
+        # Measuring RandomFlip's cost runs it, and it draws as it runs
+        # (`training` defaults to True): training then started from
+        # other flips than plain Keras's.
+        fresh_caches(self)
+        keras.utils.set_random_seed(3)
+        inputs = fk.Input((8, 8, 3))
+        flip = fk.layers.RandomFlip("horizontal")
+        model = fk.Model(inputs, fk.layers.Dense(2)(flip(inputs)))
+        before = flip.generator.state.numpy()
+        model.compile(optimizer="sgd", loss="mse", batch_size=16,
+                      search_budget=10)
+        self.assertIsNotNone(model.strategy)
+        np.testing.assert_array_equal(flip.generator.state.numpy(), before)
