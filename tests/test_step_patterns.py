@@ -297,3 +297,33 @@ class SaturatedSoftmaxTest(unittest.TestCase):
         ours = fit_both(self, build_saturated_softmax, several_meshes)
         self.assertIsInstance(ours.strategy_executor, step.Executor)
         self.assertGreater(len(ours.strategy_executor.segments), 1)
+
+
+def build_constant_argument(mod):
+    """keras.io's movielens transformer: position embeddings computed
+    once while the model is built (an Embedding called on `tf.range`, a
+    tensor, not a `keras.Input`) and added to each batch's embeddings.
+    The sum's other argument is a regular tensor, which DTensor refuses
+    in a step ("got a regular tensor for input 11 (shape [3,12]) but was
+    expecting a DTensor"): the model trained as plain Keras."""
+    ids = mod.Input((3,), dtype="int32", name="ids")
+    positions = mod.layers.Embedding(3, 8, name="positions")(tf.range(3))
+    h = mod.layers.Embedding(10, 8, name="items")(ids) + positions
+    h = mod.layers.Flatten(name="flat")(h)
+    model = mod.Model(ids, mod.layers.Dense(4, name="out")(h))
+    model.compile(loss="mse", optimizer="adam")
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 10, (SAMPLES, 3)).astype("int32")
+    y = rng.random((SAMPLES, 4)).astype("float32")
+    return model, (x, y)
+
+
+class ConstantArgumentTest(unittest.TestCase):
+    def test_one_mesh(self):
+        train_both(self, "constant_argument", build_constant_argument)
+
+    def test_several_meshes(self):
+        from test_random_draws import fit_both, several_meshes
+
+        ours = fit_both(self, build_constant_argument, several_meshes)
+        self.assertIsInstance(ours.strategy_executor, step.Executor)

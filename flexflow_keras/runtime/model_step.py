@@ -50,7 +50,8 @@ from flexflow_keras.runtime.layouts import OpPlan, replicated
 from flexflow_keras.runtime.tracing import step_function
 from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.variables import (
-    Transfers, attributes_set, gather, layer_constants, replicate, to_layout,
+    Transfers, argument_constants, attributes_set, gather, layer_constants,
+    replicate, to_layout,
 )
 
 
@@ -231,7 +232,11 @@ class ModelStepExecutor:
             fresh_state.watch(self, [var])
             added = True
         if not self._constants:
-            self._constants = layer_constants(self.model, self.mesh)
+            self._constants = layer_constants(self.model, self.mesh) + [
+                change for plan in self.plans
+                for change in argument_constants(plan.op.arguments,
+                                                 self.mesh)
+            ]
         if self._random_state is None:  # for `op_rules.stateless_random`
             with user_random.kept():  # seeded, not taken from the user
                 seed = np.array([np.random.randint(2**31), 0], np.int64)

@@ -30,8 +30,8 @@ from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.layouts import replicated, segments
 from flexflow_keras.runtime.optimizers import Updater
 from flexflow_keras.runtime.variables import (
-    SMALL_INPUT_ELEMENTS, VariableStore, attributes_set, layer_constants,
-    layer_variables, replicate,
+    SMALL_INPUT_ELEMENTS, VariableStore, argument_constants, attributes_set,
+    layer_constants, layer_variables, replicate,
 )
 
 
@@ -135,6 +135,7 @@ class Executor:
         self.store = VariableStore(self.plans)
         self._constants = {
             id(plan): layer_constants(plan.op.layer, plan.mesh)
+            + argument_constants(plan.op.arguments, plan.mesh)
             for plan in self.plans
         }
         self._check_shared_weights()
@@ -230,7 +231,9 @@ class Executor:
                 if key not in relaid:
                     relaid[key] = dtensor.relayout(value, layout)
                 local.append(relaid[key])
-            args, kwargs = fill_arguments(op, local)
+            with attributes_set(self._constants[id(plan)]):
+                # A call's own tensors (`x + tf_constant`), on the mesh.
+                args, kwargs = fill_arguments(op, local)
             layer = op.layer
             trainable, non_trainable = layer_variables(layer)
             mapping = [

@@ -164,6 +164,36 @@ def layer_constants(layer: Any, mesh: Any) -> list[tuple[Any, str, Any]]:
     return found
 
 
+def argument_constants(arguments: Any, mesh: Any) -> list[tuple]:
+    """(arguments, "args" or "kwargs", the same with replicated DTensor
+    copies) for a layer call whose arguments hold tensors of their own
+    (`keras.ops.add(x, tf_constant)`; keras.io's movielens transformer
+    adds an Embedding of `tf.range` computed while the model was built).
+    Swapped in while a step is traced (`attributes_set`): Keras fills a
+    call's arguments from these, and DTensor refuses a captured regular
+    tensor larger than a scalar."""
+    from keras import tree
+
+    if arguments is None:
+        return []
+
+    def copied(value):
+        if (isinstance(value, tf.Tensor) and value.shape.rank
+                and value.dtype != tf.string
+                and not dtensor.is_dtensor(value)):
+            return to_layout(value, replicated(mesh, value.shape.rank))
+        return value
+
+    changes = []
+    for name in ("args", "kwargs"):
+        value = vars(arguments)[name]
+        leaves = tree.flatten(value)
+        new = tree.map_structure(copied, value)
+        if any(a is not b for a, b in zip(leaves, tree.flatten(new))):
+            changes.append((arguments, name, new))
+    return changes
+
+
 @contextlib.contextmanager
 def attributes_set(changes: list[tuple[Any, str, Any]]) -> Iterator[None]:
     """Sets `object.name = value` for each change, and back after."""
