@@ -12,6 +12,7 @@ import time
 import unittest
 
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "multihost_train.py")
@@ -82,9 +83,13 @@ class MultiHostTest(unittest.TestCase):
                 )
         return done.stdout
 
+    # Data parallelism is the searched strategies' special case (the
+    # tests below); about 20 s each.
+    @pytest.mark.slow
     def test_mlp_data_parallel(self):
         self._compare("mlp", "--budget", "0")
 
+    @pytest.mark.slow
     def test_two_input_data_parallel(self):
         self._compare("two_input", "--budget", "0")
 
