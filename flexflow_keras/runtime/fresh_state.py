@@ -47,6 +47,17 @@ def quiet() -> Iterator[None]:
         _QUIET[0] -= 1
 
 
+@contextlib.contextmanager
+def as_keras() -> Iterator[None]:
+    """Inside the runtime's own code, reads and writes synced as a
+    callback's are (`unfed_step.Recorder.replay`)."""
+    saved, _QUIET[0] = _QUIET[0], 0
+    try:
+        yield
+    finally:
+        _QUIET[0] = saved
+
+
 def settle() -> None:
     """Before a step: Keras values written since the last step go in."""
     while _PENDING:

@@ -21,6 +21,7 @@ def keras_function(
     kind: str,
     run: Callable[[str, Any], Any],
     failed: Callable[[str, Exception, Any, Any], Any],
+    unfed: Callable[[], None] | None = None,
 ) -> Callable[[Any], Any]:
     """The `kind` function of `model`, one batch at a time through `run`.
 
@@ -31,6 +32,9 @@ def keras_function(
         failed: `failed(kind, error, batches, batch)` when `run` raised:
             what the function returns instead, the batches of this call
             redone some other way (it re-raises what it cannot handle).
+        unfed: For `train`, what Keras's own function changes when it is
+            called one step at a time on an iterator with no batch left
+            (`unfed_step`).
     """
     if kind == "predict":
 
@@ -57,6 +61,8 @@ def keras_function(
                 batch = next(iterator)
             except (StopIteration, tf.errors.OutOfRangeError):
                 if logs is None:
+                    if unfed is not None and model.steps_per_execution == 1:
+                        unfed()
                     raise StopIteration
                 break
             try:

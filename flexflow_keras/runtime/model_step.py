@@ -40,7 +40,9 @@ from tensorflow.python.eager import context
 
 from flexflow_keras import capabilities
 from flexflow_keras import user_random
-from flexflow_keras.runtime import deferred, fresh_state, op_rules, realized
+from flexflow_keras.runtime import (
+    deferred, fresh_state, op_rules, realized, unfed_step,
+)
 from flexflow_keras.runtime.fallback import (
     fall_back, op_to_replicate, to_data_parallel, to_plain_keras,
 )
@@ -181,6 +183,8 @@ class ModelStepExecutor:
             graph.tensors[t].hosted_by for t in graph.inputs
         ) else None
         self._hosting = False  # a step with hosted results is traced
+        # What one train step draws and applies (`unfed_step`).
+        self._unfed = unfed_step.Recorder()
 
     @property
     def retries(self) -> list[str]:
@@ -495,8 +499,10 @@ class ModelStepExecutor:
                     self._hosting = True
                 # `realized.record` traces the step once more, through
                 # here, to read the layouts DTensor gives each op.
+                record = (self._unfed.recording() if kind == "train"
+                          else contextlib.nullcontext())
                 with self._realized(), realized.recording(
-                        self, lambda: _TAPES.depth > 1) as returned:
+                        self, lambda: _TAPES.depth > 1) as returned, record:
                     try:
                         outputs = step(data)
                     finally:
@@ -565,7 +571,8 @@ class ModelStepExecutor:
 
     def make_function(self, kind: str) -> Any:
         """`model.{kind}_function` (`keras_functions.keras_function`)."""
-        return keras_function(self.model, kind, self.run, self._failed)
+        return keras_function(self.model, kind, self.run, self._failed,
+                              self._unfed.replay if kind == "train" else None)
 
     def _failed(self, kind: str, error: Exception, batches: Any,
                 batch: Any) -> Any:

@@ -21,7 +21,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from tensorflow.experimental import dtensor
 
 from flexflow_keras.keras_graph import fill_arguments, function_of
-from flexflow_keras.runtime import fresh_state, op_rules
+from flexflow_keras.runtime import fresh_state, op_rules, unfed_step
 from flexflow_keras.runtime.fallback import fall_back
 from flexflow_keras.runtime.keras_functions import keras_function
 from flexflow_keras.runtime.model_step import keras_logits
@@ -126,6 +126,8 @@ class Executor:
         self._fns: dict[tuple, Any] = {}
         # segment index -> its logits outputs (`_segment_outputs`)
         self._logits_outputs: dict[int, list[str]] = {}
+        # Each segment's seed draws in a train step (`unfed_step`).
+        self._unfed = unfed_step.Recorder()
         if self.single_device is not None:
             # Every op on one device: Keras's own step, placed there, is
             # already the best executor; no DVariables are made.
@@ -332,7 +334,7 @@ class Executor:
         @step_function
         def backward(inputs, out_grads, hyper):
             floats = [x for x in inputs if _is_float(x)]
-            with tf.GradientTape() as tape:
+            with tf.GradientTape() as tape, self._unfed.recording(index):
                 tape.watch(floats)
                 values = dict(zip(seg.inputs, inputs))
                 updates = self._run_segment(seg, values, True, sharded)
@@ -512,7 +514,11 @@ class Executor:
 
     def make_function(self, kind: str):
         """`model.{kind}_function` (`keras_functions.keras_function`)."""
-        return keras_function(self.model, kind, self._run, self._failed)
+        return keras_function(
+            self.model, kind, self._run, self._failed,
+            (lambda: self._unfed.replay((self.model.optimizer,)))
+            if kind == "train" else None,
+        )
 
     def _run(self, kind: str, batch: Any) -> Any:
         if kind == "predict":
