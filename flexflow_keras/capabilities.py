@@ -524,6 +524,42 @@ class Probed:
         )
 
 
+# Optimizers whose update keeps an Embedding's IndexedSlices gradient
+# sparse (Keras's elementwise ops on IndexedSlices: `ops.square` in
+# Adagrad, RMSprop, Adadelta, Adafactor). With the table split on its
+# columns DTensor's first step fails ("SPMD expansion resulted in op
+# output inconsistent with the provided layout"; measured, TF 2.21:
+# `Embedding(20, 12)` split 4 ways, then `Dense(1)`; keras.io's movielens
+# transformer); with the table whole it runs. SGD, Adam, AdamW, Nadam,
+# Adamax, Lion and Ftrl densify the gradient and run with it split.
+SPARSE_UPDATE_OPTIMIZERS = frozenset({
+    "Adagrad", "RMSprop", "Adadelta", "Adafactor",
+})
+
+
+def for_optimizer(graph: Any, optimizer: Any) -> Any:
+    """`graph` without the Embedding table splits (Parameter) that
+    `optimizer` cannot run (`SPARSE_UPDATE_OPTIMIZERS`); unchanged for
+    other optimizers."""
+    inner = getattr(optimizer, "inner_optimizer", None) or optimizer
+    sparse = any(
+        cls.__name__ in SPARSE_UPDATE_OPTIMIZERS
+        and cls.__module__.startswith("keras.")
+        for cls in type(inner).__mro__
+    )
+    if not sparse:
+        return graph
+    ops = tuple(
+        dataclasses.replace(op, partitionable={
+            d: k for d, k in op.partitionable.items() if k != PARAMETER
+        }) if op.type == "Embedding" else op
+        for op in graph
+    )
+    return type(graph)(
+        ops, graph.tensors, graph.inputs, graph.outputs, graph.batch_size
+    )
+
+
 def cannot_run(graph: Any) -> dict[str, str]:
     """Op name -> why DTensor cannot run it, for the ops of `graph` whose
     layer type the table lists as such (`Capability.error`)."""

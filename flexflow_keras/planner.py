@@ -82,9 +82,13 @@ def make_plan(
 
     if verbose is None:
         verbose = settings.search_verbose
+    from flexflow_keras import capabilities
+
     graph = build_graph(model, batch_size)
     if probe is not None:
         graph = probe(graph)
+    splittable = graph  # before the optimizer's limits
+    graph = capabilities.for_optimizer(graph, optimizer)
     machine = machine_lib.load_machine(settings.machine)
     num_devices = machine.num_devices
     sim = simulator.Simulator(
@@ -98,6 +102,20 @@ def make_plan(
     if one_mesh_reason is not None:
         parts = search_space.one_mesh_devices(graph, num_devices)
     plan = None
+    if settings.import_strategy and graph is not splittable:
+        tables = _tables_split(splittable, settings, machine)
+        if tables:
+            warnings.warn(
+                f"{settings.import_strategy} splits the tables of Embedding "
+                f"ops {tables}, which the "
+                f"{type(optimizer).__name__} optimizer's sparse update "
+                "cannot run on TensorFlow's DTensor "
+                "(`capabilities.SPARSE_UPDATE_OPTIMIZERS`). Model "
+                f"'{model.name}' trains under a strategy searched with the "
+                "same budget instead.",
+                stacklevel=2,
+            )
+            settings = dataclasses.replace(settings, import_strategy=None)
     if settings.import_strategy:
         plan = _imported(graph, settings, machine, parts)
         if plan is None:
@@ -194,6 +212,25 @@ def _one_mesh_reason(graph: OpGraph) -> str | None:
     if custom:
         return f"ops {custom} run code of the script's own layers"
     return None
+
+
+def _tables_split(
+    graph: OpGraph, settings: Settings, machine: Any
+) -> list[str]:
+    """The Embedding ops whose tables the imported strategy splits."""
+    from flexflow_keras import capabilities, strategy_files
+
+    strategy = strategy_files.load_strategy(
+        settings.import_strategy, graph, machine.num_devices
+    )
+    return [
+        op.name for op in graph
+        if op.type == "Embedding" and any(
+            strategy[op.name].dims[d] > 1
+            for d, kind in op.partitionable.items()
+            if kind == capabilities.PARAMETER
+        )
+    ]
 
 
 def _imported(

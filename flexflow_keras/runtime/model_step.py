@@ -394,6 +394,7 @@ class ModelStepExecutor:
             )
 
         args, kwargs = tree.map_structure(relaid, (args, kwargs))
+        args, kwargs = op_rules.int32_indices(operation, args, kwargs)
         inner = any(op_rules.splits_inner_dims(layout)
                     for layout in layouts.values())
         with unrolled(operation), self._inside(), \

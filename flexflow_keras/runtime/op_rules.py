@@ -254,6 +254,27 @@ def substitutes(mesh: Any) -> Iterator[None]:
             setattr(module, name, old)
 
 
+def int32_indices(operation: Any, args: tuple, kwargs: dict) -> tuple:
+    """An Embedding's int64 indices as int32 (same rows), while a step is
+    traced.
+
+    Why: Keras's sparse optimizer update of the table's IndexedSlices
+    gradient (Adagrad, RMSprop, Adadelta, Adafactor: `capabilities.
+    SPARSE_UPDATE_OPTIMIZERS`) builds a ScatterNd whose shape is int32
+    beside the int64 indices, which DTensor's MLIR import refuses ("input
+    shape[0] expected type int64 != int32 ... adagrad/cond/ScatterNd";
+    measured, TF 2.21, even under data parallelism). A StringLookup's
+    result is int64: keras.io's movielens transformer met it.
+    """
+    if type(operation).__name__ != "Embedding" or not args \
+            or getattr(operation, "input_dim", 2**31) >= 2**31:
+        return args, kwargs
+    ids = args[0]
+    if isinstance(ids, tf.Tensor) and ids.dtype == tf.int64:
+        args = (tf.cast(ids, tf.int32),) + tuple(args[1:])
+    return args, kwargs
+
+
 def splits_inner_dims(layout: Any) -> bool:
     """Whether `layout` splits a dim between the first and the last (a
     sequence, a height): what `tf.tensordot` loses (`inner_splits_kept`)."""
