@@ -22,7 +22,8 @@ class Plan:
     Args:
         graph: The model's OpGraph at that batch size.
         strategy: The chosen strategy.
-        source: `search`, `import` or `data_parallel`.
+        source: `search`, `import`, `data_parallel`, or `one_device`
+            (nothing over several virtual CPU devices fits in memory).
         search_result: The search's result, when one ran.
         machine: The machine model the strategy was planned for.
         step_ms: Simulated step time of the strategy.
@@ -157,6 +158,8 @@ def make_plan(
                 **options,
             )
         plan = Plan(graph, result.strategy, "search", result, machine)
+    if plan.source != "import":
+        plan = _one_device_if_nothing_fits(model, plan, sim, machine)
     if settings.export_strategy:
         strategy_files.save_strategy(plan.strategy, settings.export_strategy)
     return dataclasses.replace(
@@ -164,6 +167,42 @@ def make_plan(
         step_ms=sim.simulate(plan.strategy).step_ms,
         per_op_ms=per_op_ms(graph, plan.strategy, sim.cost),
     )
+
+
+def _one_device_if_nothing_fits(
+    model: Any, plan: Plan, sim: Any, machine: Any
+) -> Plan:
+    """One device when no strategy over the host's virtual CPU devices
+    fits in memory, but the whole model on one does.
+
+    Why: virtual CPU devices share the host's memory, and the simulator
+    gives each its share. A plan that does not fit it (a layer DTensor
+    runs only replicated computes its whole batch on every device:
+    keras.io's image_classification_from_scratch, 180x180 images,
+    SeparableConv2D) was trained anyway and the process was killed for
+    memory, where plain Keras trains. On one device (Keras's own step)
+    the model may use the whole host.
+    """
+    devices = machine.devices
+    if (not machine.live or devices[0].kind != "CPU" or len(devices) < 2
+            or sim.simulate(plan.strategy).feasible):
+        return plan
+    one = Strategy.data_parallel(plan.graph, 1)
+    needs = sim.simulate(one).peak_memory_bytes[0]
+    host = sum(d.memory_bytes for d in devices)
+    if needs > host:
+        return plan
+    gib = 2.0 ** 30
+    warnings.warn(
+        f"Model '{model.name}' trains on one device: no strategy over the "
+        f"{len(devices)} virtual CPU devices fits in memory (they share "
+        f"the host's {host / gib:.1f} GiB, {devices[0].memory_bytes / gib:.1f}"
+        f" GiB each), and on one device its step needs "
+        f"{needs / gib:.1f} GiB. Use a smaller batch, or fewer devices "
+        "(`--cpu-devices`), for a strategy over several.",
+        stacklevel=3,
+    )
+    return dataclasses.replace(plan, strategy=one, source="one_device")
 
 
 def search_candidates(

@@ -111,3 +111,52 @@ class MakePlanTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class OneDeviceWhenNothingFitsTest(unittest.TestCase):
+    """Virtual CPU devices share the host's memory: when no strategy over
+    them fits (keras.io's image_classification_from_scratch was killed for
+    memory) but the model on one does, it trains on one device."""
+
+    def _plan(self, memory):
+        from unittest import mock
+
+        from flexflow_keras import machine as machine_lib
+
+        live = machine_lib.MachineModel(
+            "live", machine_lib.DeviceSpec("CPU", 0, 50e9, memory, 20.0,
+                                           0.002),
+            1, 4, machine_lib.LinkGroup("host", 10.0, 0.005), live=True,
+        )
+        keras.backend.clear_session()
+        model = model_zoo.mlp()
+        with mock.patch.object(machine_lib, "load_machine",
+                               return_value=live):
+            return planner.make_plan(
+                model, 64, Settings(search_budget=0, machine="live"),
+                verbose=0,
+            )
+
+    def test_one_device_when_only_the_whole_host_fits(self):
+        import warnings
+
+        from flexflow_keras import simulator
+
+        roomy = self._plan(2**40)
+        self.assertEqual(roomy.source, "data_parallel")
+        sim = simulator.Simulator(roomy.graph, roomy.machine,
+                                  optimizer_slots=optimizer_slots(None))
+        spread = max(sim.simulate(roomy.strategy).peak_memory_bytes)
+        whole = sim.simulate(Strategy.data_parallel(roomy.graph, 1))
+        memory = (whole.peak_memory_bytes[0] + 3) // 4 + 1
+        self.assertGreater(spread, memory)  # the four-way plan cannot fit
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan = self._plan(memory)
+        self.assertEqual(plan.source, "one_device")
+        self.assertEqual({c.device_ids for c in plan.strategy.values()},
+                         {(0,)})
+        self.assertTrue(any("trains on one device" in str(w.message)
+                            for w in caught))
+        # Not even the whole host: the plan stays as it was.
+        self.assertEqual(self._plan(memory // 8).source, "data_parallel")
