@@ -61,7 +61,7 @@ class _PlanningModel(StrategyTrainer):
         if batch_size is None:
             batch_size = self._static_batch_size()
         if batch_size is not None:
-            with user_random.kept(self):
+            with user_random.kept():
                 self._ensure_plan(int(batch_size))
 
     def compile_from_config(self, config: dict) -> None:
@@ -92,7 +92,7 @@ class _PlanningModel(StrategyTrainer):
             if (not self.built and found.input_shape is not None
                     and not is_subclassed(self)):
                 self.build(found.input_shape)  # as Keras's fit would
-            with user_random.kept(self):
+            with user_random.kept():
                 if needs_trace(self) and state.trace_failure is None:
                     self._trace(found)
                 self._ensure_plan(found.batch_size)
@@ -185,10 +185,13 @@ class _PlanningModel(StrategyTrainer):
                 )
 
             try:
-                if clients is None:
-                    plan = make()
-                else:
-                    plan = runtime.agreed_plan(self, batch_size, make)
+                # Planning runs layers (cost measurement, probes): the
+                # model's seeds and statistics are put back after it.
+                with user_random.kept(self):
+                    if clients is None:
+                        plan = make()
+                    else:
+                        plan = runtime.agreed_plan(self, batch_size, make)
             except capabilities.Unsupported as error:
                 self._strategy_failed(
                     f"Model '{self.name}' trains as plain Keras on one "
