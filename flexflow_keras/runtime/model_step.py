@@ -550,14 +550,15 @@ class ModelStepExecutor:
     def run(self, kind: str, data: Any) -> Any:
         """One step of `kind` on one batch; regular tensors out."""
         function = self._functions.get((kind, _batch_of(data)))
+        if function is None and kind != "predict":
+            self._build(data)
+        batch = self._on_mesh(data)  # once: copies, host lookups
         if function is None:
-            if kind != "predict":
-                self._build(data)
             self._realize()
-            function = self._trace(kind, self._on_mesh(data))
+            function = self._trace(kind, batch)
         if kind == "train":
             self._push_learning_rates()
-        outputs = function(self._on_mesh(data))
+        outputs = function(batch)
         first = (kind, _batch_of(data)) not in self._ran
         if first:
             # DTensor runs functions asynchronously: a first run's error
