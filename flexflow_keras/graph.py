@@ -207,6 +207,12 @@ class OpGraph:
         return self._outputs
 
     @property
+    def hosted_inputs(self) -> tuple[str, ...]:
+        """The inputs of the step that the host computes before it (their
+        `TensorInfo.hosted_by`), in input order."""
+        return tuple(t for t in self._inputs if self._tensors[t].hosted_by)
+
+    @property
     def batch_size(self) -> int:
         return self._batch_size
 

@@ -234,10 +234,7 @@ def _one_mesh_reason(graph: OpGraph) -> str | None:
       their results reach the model's own step, which runs on one mesh
       (the layer-by-layer executor feeds only the model's inputs).
     """
-    hosted = sorted({
-        graph.tensors[t].hosted_by for t in graph.inputs
-        if graph.tensors[t].hosted_by
-    })
+    hosted = sorted({graph.tensors[t].hosted_by for t in graph.hosted_inputs})
     if hosted:
         return f"ops {hosted} run on the host before the step"
     shared = [op.name for op in graph if op.shares_weights_with]

@@ -73,12 +73,11 @@ def strategy_table(
     """
     headers = ["Op (type)", "Output shape", "Split dims", "Devices"]
     rows = []
-    for name in graph.inputs:
+    for name in graph.hosted_inputs:
         info = graph.tensors[name]
-        if info.hosted_by:
-            rows.append([f"{info.hosted_by} (before the step)",
-                         str(info.shape), "none", "host"]
-                        + [""] * (per_op_ms is not None))
+        rows.append([f"{info.hosted_by} (before the step)",
+                     str(info.shape), "none", "host"]
+                    + [""] * (per_op_ms is not None))
     for op in graph:
         config = strategy[op.name]
         split = _split_text(op, config.dims)

@@ -77,13 +77,10 @@ class HostPrefix:
             self._function._inputs_struct,
             [kt for node in nodes for kt in node.outputs],
             name=f"{model.name}_host_prefix",
-        ) if nodes else None
+        )
         self._compiled = None
         self._origins: dict[str, tuple] = {}  # while a step is traced
         self._results: tuple = ()
-
-    def __bool__(self) -> bool:
-        return bool(self.layers)
 
     def compute(self, data: Any) -> tuple:
         """The hosted results for one batch (`data` as the step gets it:

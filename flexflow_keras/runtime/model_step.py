@@ -179,9 +179,7 @@ class ModelStepExecutor:
         # Lookup layers on raw features run on the host before each step
         # (`host_prefix`); while a step is traced, their calls return
         # the results the step was given.
-        self._host = HostPrefix(model) if any(
-            graph.tensors[t].hosted_by for t in graph.inputs
-        ) else None
+        self._host = HostPrefix(model) if graph.hosted_inputs else None
         self._hosting = False  # a step with hosted results is traced
         # What one train step draws and applies (`unfed_step`).
         self._unfed = unfed_step.Recorder()
