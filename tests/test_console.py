@@ -52,6 +52,15 @@ model.compile(optimizer="adam", loss="mse", import_strategy=path)
 )) + 'print("executor:", type(model.strategy_executor).__module__)\n'
 
 
+# One label per sample: a batch of 16 labels is small enough for DTensor
+# to take it for a constant, and the train step was expanded again at
+# the second batch (`model_step._on_mesh` pads such inputs).
+SMALL_LABELS = SCRIPT.replace(
+    "keras.layers.Dense(2)(h)", "keras.layers.Dense(1)(h)"
+).replace("random((64, 2), dtype=np.float32)",
+          "random((64,), dtype=np.float32)")
+
+
 def _run(script=SCRIPT, **env):
     environ = {k: v for k, v in os.environ.items()
                if k != "TF_CPP_MIN_LOG_LEVEL"}
@@ -77,10 +86,12 @@ class ConsoleTest(unittest.TestCase):
     def test_one_spmd_expansion_per_function(self):
         # DTensor re-expanded a function once when a small input's value
         # changed (the optimizer's iteration count copied in at the
-        # second epoch: `variables._padded`; the several-mesh backward's
-        # learning rate and step at the second step: `step.Executor.
-        # _hyper`).
+        # second epoch: `variables.padded`; a batch's 16 labels at the
+        # second batch: `model_step._on_mesh`; the several-mesh
+        # backward's learning rate and step at the second step:
+        # `step.Executor._hyper`).
         for name, script in (("one mesh", SCRIPT),
+                             ("small labels", SMALL_LABELS),
                              ("several meshes", SEVERAL_MESHES)):
             with self.subTest(strategy=name):
                 done = _run(script, TF_CPP_MIN_LOG_LEVEL="0")

@@ -394,7 +394,7 @@ class TracingTest(unittest.TestCase):
             lambda graph: Strategy.data_parallel(graph, 4)
         )
         self.assertIsInstance(executor, ModelStepExecutor)
-        counts = {key: f.experimental_get_tracing_count()
+        counts = {key: f.function.experimental_get_tracing_count()
                   for key, f in executor._functions.items()}
         self.assertGreaterEqual(len(counts), 4)  # train/test/predict x sizes
         self.assertEqual(set(counts.values()), {1}, counts)

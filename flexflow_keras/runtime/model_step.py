@@ -26,7 +26,7 @@ default step only).
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import numpy as np
@@ -41,7 +41,8 @@ from tensorflow.python.eager import context
 from flexflow_keras import capabilities
 from flexflow_keras import user_random
 from flexflow_keras.runtime import (
-    deferred, fresh_state, op_rules, realized, unfed_step,
+    deferred, fresh_state, op_rules, realized, rolled_rnn, unfed_step,
+    unroll,
 )
 from flexflow_keras.runtime.fallback import (
     fall_back, op_to_replicate, to_data_parallel, to_plain_keras,
@@ -50,10 +51,9 @@ from flexflow_keras.runtime.host_prefix import CalledElsewhere, HostPrefix
 from flexflow_keras.runtime.keras_functions import keras_function
 from flexflow_keras.runtime.layouts import OpPlan, replicated
 from flexflow_keras.runtime.tracing import step_function
-from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.variables import (
     Transfers, argument_constants, attributes_set, gather, layer_constants,
-    replicate, to_layout,
+    SMALL_INPUT_ELEMENTS, padded, replicate, to_layout,
 )
 
 
@@ -176,6 +176,13 @@ class ModelStepExecutor:
         # Ops a first run found DTensor could not lay out, now replicated.
         self.replicated_ops: list[str] = []
         self._static_batch = False  # steps traced with the batch dim known
+        self._name_clashes = 0  # first runs redone (`_failed`)
+        # A rolled recurrent loop is laid out only on static shapes
+        # (`rolled_rnn`): such steps are traced with their batch size.
+        self._recurrent = any(unroll.recurrent(plan.op.layer)
+                              for plan in plans)
+        # Recurrent layers run rolled until a first run fails (`_failed`).
+        self.rolled = True
         # Lookup layers on raw features run on the host before each step
         # (`host_prefix`); while a step is traced, their calls return
         # the results the step was given.
@@ -395,7 +402,7 @@ class ModelStepExecutor:
         args, kwargs = op_rules.int32_indices(operation, args, kwargs)
         inner = any(op_rules.splits_inner_dims(layout)
                     for layout in layouts.values())
-        with unrolled(operation), self._inside(), \
+        with unroll.unrolled(operation, self.rolled), self._inside(), \
                 op_rules.inner_splits_kept(inner):
             outputs = _KERAS_CALL(operation, *args, **kwargs)
         flat = tree.flatten(outputs)
@@ -483,14 +490,15 @@ class ModelStepExecutor:
         strategy's (the last partial batch, evaluate/predict batches)
         runs with the batch dim unsharded on the same mesh.
         """
-        batch = _batch_of(data)
+        batch = data.batch
         step = getattr(self.model, f"{kind}_step")
 
         def traced_once() -> Any:
             # No AutoGraph, as Keras traces its own steps (so a step runs
             # as it does in Keras), and no converted-call cache to go stale.
             @step_function
-            def traced(data):
+            def traced(values, shapes):
+                data = _unpadded(values, shapes)
                 self._sharded = batch == self.graph.batch_size
                 if self._host is not None:  # (batch, hosted results)
                     data, hosted = data
@@ -514,8 +522,10 @@ class ModelStepExecutor:
                     lambda v: _replicated_output(v, self.mesh), outputs
                 ))
 
-            traced.get_concrete_function(_specs(data, self._static_batch))
-            return traced
+            traced.get_concrete_function(_specs(
+                data.values, self._static_batch or self._recurrent
+            ), data.shapes)
+            return _StepFunction(traced)
 
         function = traced_once()
         if self._realize():  # the trace made variables: trace anew
@@ -524,26 +534,41 @@ class ModelStepExecutor:
         self._functions[(kind, batch)] = function
         return function
 
-    def _on_mesh(self, data: Any) -> Any:
+    def _on_mesh(self, data: Any) -> "_MeshBatch":
         """Each tensor of a batch onto the mesh: replicated (one local
         copy per device) in one process; in DTensor's multi-client mode,
         a tensor of the strategy's batch is split on its batch dim over
         the mesh's first axis, each client packing only its own devices'
         rows (`_own_rows`). With layers run on the host (`host_prefix`),
-        the batch comes with their results: `(data, results)`."""
+        the batch comes with their results: `(data, results)`.
+
+        A replicated tensor DTensor would take for a small constant (a
+        batch of 16 labels) goes in padded (`variables.padded`): else
+        the step is expanded again at the first batch whose values
+        differ, which costs a second SPMD expansion and, for a step with
+        `rolled_rnn` loops, fails (the loops' functions are named after
+        their nodes: "a different function with the same name already
+        exists")."""
+        size = _batch_of(data)
         if self._host is not None:
             data = (data, self._host.compute(data))
+        shapes = []
 
         def copy(value):
             if isinstance(value, np.ndarray):
                 value = tf.convert_to_tensor(value)
             if not isinstance(value, tf.Tensor) or value.dtype == tf.string:
+                shapes.append(None)
                 return value
             if self._split_feed and _batch_of(value) == self.graph.batch_size:
+                shapes.append(None)
                 return _own_rows(value, self.mesh)
-            return replicate(value, self.mesh)
+            small = padded(value) if value.shape.rank else value
+            shapes.append(None if small is value else tuple(value.shape))
+            return replicate(small, self.mesh)
 
-        return tree.map_structure(copy, data)
+        values = tree.map_structure(copy, data)
+        return _MeshBatch(values, tuple(shapes), size)
 
     def run(self, kind: str, data: Any) -> Any:
         """One step of `kind` on one batch; regular tensors out."""
@@ -590,6 +615,16 @@ class ModelStepExecutor:
         first = (kind, _batch_of(batch)) not in self._ran
         if first:
             context.async_clear_error()
+        if first and self._recurrent and self.rolled \
+                and not rolled_rnn.name_clash(error):
+            # DTensor cannot lay out some strategies' rolled loops
+            # (measured, TF 2.21: a Dense on fewer devices after the RNN,
+            # "operand #0 does not dominate this use" in its backward
+            # loop): they run unrolled, as before `rolled_rnn`, and the
+            # step is traced again and redone.
+            self.rolled = False
+            self._functions.clear()
+            return self.make_function(kind)(batches)
         op = op_to_replicate(error) if first else None
         if (op is not None and op not in self.replicated_ops
                 and len(self.replicated_ops) < _MAX_REPLICATED
@@ -601,7 +636,14 @@ class ModelStepExecutor:
             op_rules.enable([op])
             self._functions.clear()
             return self.make_function(kind)(batches)
-        if first and not self._static_batch:
+        if first and rolled_rnn.name_clash(error) \
+                and self._name_clashes < rolled_rnn.MAX_NAME_CLASHES:
+            # Nothing ran: the step is traced again and redone.
+            self._name_clashes += 1
+            rolled_rnn.vary()
+            self._functions.pop((kind, _batch_of(batch)), None)
+            return self.make_function(kind)(batches)
+        if first and not (self._static_batch or self._recurrent):
             # DTensor expands some ops only on static shapes ("failed to
             # extract constant value", "requires output type to have
             # statically known rank": a reshape or tile whose shape comes
@@ -613,6 +655,46 @@ class ModelStepExecutor:
             self._functions.clear()
             return self.make_function(kind)(batches)
         return fall_back(self.model, kind, error, batches, False, first)
+
+
+class _StepFunction(NamedTuple):
+    """A traced step (`ModelStepExecutor._trace`), called on a
+    `_MeshBatch`."""
+
+    function: Any  # the tf.function, on (values, padded shapes)
+
+    def __call__(self, batch: "_MeshBatch") -> Any:
+        return self.function(batch.values, batch.shapes)
+
+
+class _MeshBatch(NamedTuple):
+    """A batch on the mesh (`ModelStepExecutor._on_mesh`): its `values`,
+    the shapes the padded ones had (None for the others, in
+    `tree.flatten` order) and its batch size."""
+
+    values: Any
+    shapes: tuple
+    batch: int | None
+
+
+def _unpadded(values: Any, shapes: tuple) -> Any:
+    """A `_MeshBatch`'s values as the batch was, inside the step, their
+    batch dim as unknown as the step was traced with: the element count
+    comes from the padded input's shape, so a step traced on an unknown
+    batch does not learn its size here (Keras's per-output loss
+    trackers weigh a known batch otherwise: losses 2.7% off on a last
+    partial batch)."""
+
+    def unpad(value, shape):
+        if shape is None:
+            return value
+        surplus = SMALL_INPUT_ELEMENTS - int(np.prod(shape))
+        count = tf.shape(value)[0] - surplus
+        return tf.reshape(value[:count], [-1] + list(shape[1:]))
+
+    leaves = [unpad(value, shape)
+              for value, shape in zip(tree.flatten(values), shapes)]
+    return tree.pack_sequence_as(values, leaves)
 
 
 def _own_rows(value: Any, mesh: Any) -> Any:

@@ -41,6 +41,7 @@ step when `FLEXFLOW_KERAS_SHOW_LAYOUTS=1` (docs/RUNTIME.md).
 import contextlib
 import dataclasses
 import functools
+import itertools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -50,6 +51,10 @@ import tensorflow as tf
 from keras import tree
 from tensorflow.experimental import dtensor
 from tensorflow.python.eager import context
+
+from flexflow_keras.runtime.rolled_rnn import (
+    MAX_NAME_CLASHES, name_clash, vary,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,8 +219,27 @@ def recording(executor: Any, skip: Callable[[], bool]) -> Iterator[Any]:
 def record(executor: Any, data: Any) -> list[Realized]:
     """The layouts of every op's tensors in `executor`'s train step on
     the batch `data` (as `fit` gives it); training state unchanged."""
-    recorder = _Recorder(executor)
     batch = executor._on_mesh(data)
+    for attempt in itertools.count(1):
+        recorder = _Recorder(executor)
+        try:
+            layouts = _run_recording(executor, recorder, batch)
+            break
+        except tf.errors.InvalidArgumentError as error:
+            # DTensor may refuse a loop function's name as the step's
+            # first run may (`model_step.name_clash`): traced again.
+            if not name_clash(error) or attempt == MAX_NAME_CLASHES:
+                raise
+            context.async_clear_error()
+            vary()
+    return [dataclasses.replace(e, layout=layout)
+            for e, layout in zip(recorder.entries, layouts)]
+
+
+def _run_recording(executor: Any, recorder: "_Recorder",
+                   batch: Any) -> list:
+    """Traces and runs the recording step once; the layouts of the
+    recorded tensors."""
     functions = dict(executor._functions)
     _REQUESTED.append(recorder)
     try:
@@ -231,14 +255,12 @@ def record(executor: Any, data: Any) -> list[Realized]:
     try:
         _, tensors = function(batch)
         context.async_wait()
-        layouts = [None if t is None else _layout(v)
-                   for t, v in zip(recorder.tensors, tensors)]
+        return [None if t is None else _layout(v)
+                for t, v in zip(recorder.tensors, tensors)]
     finally:
         for variable, value in zip(variables, saved):
             variable.assign(value)
         context.async_wait()
-    return [dataclasses.replace(e, layout=layout)
-            for e, layout in zip(recorder.entries, layouts)]
 
 
 def _layout(value: Any) -> Any:

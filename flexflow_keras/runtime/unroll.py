@@ -1,4 +1,5 @@
-"""Recurrent layers unrolled while a DTensor step is traced."""
+"""Recurrent layers as loops DTensor can lay out while a step is traced:
+rolled (`rolled_rnn`) or unrolled."""
 
 import contextlib
 from collections.abc import Iterator
@@ -8,37 +9,86 @@ import tensorflow as tf
 from keras import tree
 from keras.src import backend as keras_backend
 
+from flexflow_keras.runtime import rolled_rnn
+
 
 @contextlib.contextmanager
-def unrolled(layer: Any) -> Iterator[None]:
-    """Recurrent layers run unrolled, without cuDNN, while traced.
+def unrolled(layer: Any, rolled: bool = False) -> Iterator[None]:
+    """Recurrent layers run as loops DTensor can lay out, without cuDNN,
+    while traced.
 
     Why: DTensor has no layout propagation for the while-loop TensorLists
-    (`tf.TensorListStack`) of a rolled RNN, nor for cuDNN RNN kernels; the
-    unrolled loop is plain ops with the same arithmetic. Keras's unrolled
-    loop zeroes a backward layer's masked outputs at the wrong steps
-    (`_masked_steps_zeroed`), so its masking is redone here.
+    (`tf.TensorListStack`) of Keras's rolled RNN, nor for cuDNN RNN
+    kernels. With `rolled`, a layer of Keras's own cells runs
+    `rolled_rnn`'s loop when its time and batch sizes are known while
+    traced; any other (a user's cell, a user's `unroll=True`) runs
+    Keras's unrolled loop, plain ops with the same arithmetic. Keras's
+    unrolled loop zeroes a backward layer's masked outputs at the wrong
+    steps (`_masked_steps_zeroed`), so its masking is redone here.
     """
     saved = []
-    rnns = [layer] + [
-        getattr(layer, name, None) for name in ("forward_layer",
-                                                "backward_layer")
-    ]  # a Bidirectional wrapper runs two RNN layers
+    rnns = [
+        rnn for rnn in [layer] + [
+            getattr(layer, name, None) for name in ("forward_layer",
+                                                    "backward_layer")
+        ]  # a Bidirectional wrapper runs two RNN layers
+        if rnn is not None and hasattr(rnn, "cell")
+    ]
+    cells = [] if rolled else None
+    for rnn in rnns if rolled else ():
+        found = rolled_rnn.cells_of(rnn.cell)
+        if found is None or getattr(rnn, "unroll", False):
+            cells = None
+            break
+        cells += found
     for rnn in rnns:
-        if rnn is None or not hasattr(rnn, "cell"):
-            continue
-        for name, value in (("unroll", True), ("use_cudnn", False)):
+        for name, value in (("unroll", cells is None), ("use_cudnn", False)):
             if hasattr(rnn, name):
                 saved.append((rnn, name, getattr(rnn, name)))
                 setattr(rnn, name, value)
     keras_rnn = keras_backend.rnn
-    keras_backend.rnn = _masked_steps_zeroed(keras_rnn)
+    keras_backend.rnn = _as_dtensor_loop(keras_rnn, cells)
     try:
         yield
     finally:
         keras_backend.rnn = keras_rnn
         for rnn, name, value in saved:
             setattr(rnn, name, value)
+
+
+def recurrent(layer: Any) -> bool:
+    """Whether `layer` runs a recurrent loop (`unrolled` changes it)."""
+    return hasattr(layer, "cell") or hasattr(layer, "forward_layer")
+
+
+def _as_dtensor_loop(keras_rnn: Any, cells: list | None) -> Any:
+    """Keras's `backend.rnn` as a loop DTensor lays out: `rolled_rnn`'s
+    for the layer's `cells` (Keras's own) when it `rolls`, else Keras's
+    unrolled loop with its masking mended."""
+    unrolled_rnn = _masked_steps_zeroed(keras_rnn)
+
+    def rnn(step_function, inputs, initial_states, go_backwards=False,
+            mask=None, constants=None, unroll=False, input_length=None,
+            time_major=False, zero_output_for_mask=False,
+            return_all_outputs=True):
+        if cells is not None and rolled_rnn.rolls(inputs, mask,
+                                                  input_length, time_major):
+            return rolled_rnn.rolled_rnn(
+                step_function, inputs, initial_states, cells,
+                go_backwards=go_backwards, mask=mask, constants=constants,
+                time_major=time_major,
+                zero_output_for_mask=zero_output_for_mask,
+                return_all_outputs=return_all_outputs,
+            )
+        return unrolled_rnn(
+            step_function, inputs, initial_states,
+            go_backwards=go_backwards, mask=mask, constants=constants,
+            unroll=True, input_length=input_length, time_major=time_major,
+            zero_output_for_mask=zero_output_for_mask,
+            return_all_outputs=return_all_outputs,
+        )
+
+    return rnn
 
 
 def _masked_steps_zeroed(keras_rnn: Any) -> Any:

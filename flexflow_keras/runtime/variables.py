@@ -73,7 +73,7 @@ class Transfers:
         if pairs:
             assign_all = self._compiled("in", pairs, _assign_all)
             with fresh_state.quiet():
-                values = [replicate(_padded(var.value), self._mesh)
+                values = [replicate(padded(var.value), self._mesh)
                           for var, _, _ in pairs]
             assign_all(values)
 
@@ -97,14 +97,15 @@ class Transfers:
 # to about 20 elements, measured on TF 2.21) and expands it again, once,
 # when one changes: the optimizer's iteration count and learning rate
 # copied in at the second epoch cost a second SPMD expansion of the copy
-# function. Inputs smaller than this go in padded to it.
+# function, and a batch of 16 labels one of the train step. Inputs
+# smaller than this go in padded to it.
 SMALL_INPUT_ELEMENTS = 64
 
 
-def _padded(value: Any) -> Any:
+def padded(value: Any) -> Any:
     """`value`, or, if DTensor would take it for a small constant, its
     flattened elements padded with zeros to `SMALL_INPUT_ELEMENTS`
-    (`_unpadded` inverts it inside the function)."""
+    (`unpadded` inverts it inside the function)."""
     value = tf.convert_to_tensor(value)
     size = value.shape.num_elements()
     if size is None or size >= SMALL_INPUT_ELEMENTS:
@@ -113,7 +114,7 @@ def _padded(value: Any) -> Any:
                   [[0, SMALL_INPUT_ELEMENTS - size]])
 
 
-def _unpadded(value: Any, shape: Any) -> Any:
+def unpadded(value: Any, shape: Any) -> Any:
     size = shape.num_elements()
     if size is None or size >= SMALL_INPUT_ELEMENTS:
         return value
@@ -121,13 +122,13 @@ def _unpadded(value: Any, shape: Any) -> Any:
 
 
 def _assign_all(pairs: list[tuple[Any, Any, Any]]) -> Any:
-    """A function assigning replicated values (`_padded`) to the pairs'
+    """A function assigning replicated values (`padded`) to the pairs'
     DVariables, each relaid to its layout."""
     targets = [(dvar, layout) for _, dvar, layout in pairs]
 
     def assign_all(values):
         for (dvar, layout), value in zip(targets, values):
-            value = _unpadded(value, dvar.shape)
+            value = unpadded(value, dvar.shape)
             dvar.assign(dtensor.relayout(value, layout))
 
     return assign_all
