@@ -32,19 +32,22 @@ import tensorflow as tf
 
 import flexflow_keras as fk
 from flexflow_keras.keras_graph import build_graph
-from flexflow_keras.runtime import model_step, rolled_rnn
+from flexflow_keras.runtime import model_step, rolled_rnn, step
 from flexflow_keras.strategy import ParallelConfig, Strategy
 from flexflow_keras.strategy_files import save_strategy
 
 ROWS, STEPS, BATCH = 72, 7, 16  # 4 batches of 16 and one of 8
 
 
-def build(mod):
+def build(mod, masked=True):
+    """`masked=False`: no mask, no dropout, as in keras.io's IMDB script
+    (a mask makes the model run its own step, on one mesh)."""
     ids = mod.Input((STEPS,), dtype="int32", name="ids")
-    h = mod.layers.Embedding(20, 8, mask_zero=True, name="emb")(ids)
+    h = mod.layers.Embedding(20, 8, mask_zero=masked, name="emb")(ids)
+    dropout = dict(dropout=0.2, recurrent_dropout=0.1, seed=5)
     h = mod.layers.Bidirectional(mod.layers.LSTM(
-        6, return_sequences=True, dropout=0.2, recurrent_dropout=0.1,
-        seed=5), name="bi")(h)
+        6, return_sequences=True, **(dropout if masked else {})),
+        name="bi")(h)
     h = mod.layers.GRU(5, name="gru")(h)
     model = mod.Model(ids, mod.layers.Dense(1, activation="sigmoid",
                                             name="out")(h))
@@ -61,6 +64,16 @@ def data(seed):
     return ids, (ids[:, 0] > 10).astype("float32")
 
 
+def several_meshes(graph):
+    """Ops alternate between devices (0, 1) and (2, 3), the batch split
+    over each pair."""
+    return Strategy({
+        op.name: ParallelConfig((2,) + (1,) * (op.rank - 1),
+                                (0, 1) if i % 2 == 0 else (2, 3))
+        for i, op in enumerate(graph)
+    })
+
+
 def dense_on_one_device(graph):
     """Data parallelism, but the last Dense whole on device 0."""
     configs = dict(Strategy.data_parallel(graph, 4))
@@ -69,7 +82,8 @@ def dense_on_one_device(graph):
 
 
 class RolledRNNTest(unittest.TestCase):
-    def fit_both(self, make_strategy, clashes=0):
+    def fit_both(self, make_strategy, clashes=0,
+                 executor_type=model_step.ModelStepExecutor, masked=True):
         (x, y), validation = data(0), data(1)
         histories, models = {}, {}
         calls = mock.patch.object(rolled_rnn, "rolled_rnn",
@@ -77,7 +91,7 @@ class RolledRNNTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as folder, calls as rolled:
             for name, mod in (("plain", keras), ("ours", fk)):
                 keras.utils.set_random_seed(3)
-                model = build(mod)
+                model = build(mod, masked)
                 if mod is fk:
                     path = os.path.join(folder, "strategy.txt")
                     save_strategy(make_strategy(build_graph(model, BATCH)),
@@ -95,10 +109,11 @@ class RolledRNNTest(unittest.TestCase):
         self.assertFalse([m for m in messages if "plain Keras" in m],
                          messages)
         executor = models["ours"].strategy_executor
-        self.assertIsInstance(executor, model_step.ModelStepExecutor)
+        self.assertIsInstance(executor, executor_type)
         self.assertTrue(executor.rolled, "fell back to unrolled loops")
         self.assertGreater(rolled.call_count, 0)
-        self.assertGreaterEqual(executor._name_clashes, clashes)
+        if clashes:
+            self.assertGreaterEqual(executor._name_clashes, clashes)
         for key, values in histories["plain"].items():
             np.testing.assert_allclose(histories["ours"][key], values,
                                        rtol=1e-5, err_msg=key)
@@ -111,6 +126,15 @@ class RolledRNNTest(unittest.TestCase):
 
     def test_dense_on_one_device(self):
         self.fit_both(dense_on_one_device)
+
+    def test_several_meshes(self):
+        """The layer-by-layer executor: each segment's backward function
+        recomputes its forward, and the loop's weights reach it as loop
+        inputs (read under its StatelessScope, gone when the gradient
+        runs: reading them there trained the RNN's weights as zero,
+        keras.io's IMDB script 0.805 accurate against 0.9765)."""
+        self.fit_both(several_meshes, executor_type=step.Executor,
+                      masked=False)
 
     def test_name_clash_redone(self):
         """A first run DTensor refuses for a loop function's name (it

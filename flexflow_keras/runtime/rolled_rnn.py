@@ -22,9 +22,11 @@ loop's functions as an earlier expansion's (`name_clash`): the step's
 first run is then redone by the caller.
 """
 
+import itertools
 from typing import Any
 
 import tensorflow as tf
+from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 from keras import tree
 from keras.src.backend.common.stateless_scope import StatelessScope
@@ -79,6 +81,30 @@ def name_clash(error: Exception) -> bool:
     return (isinstance(error, tf.errors.InvalidArgumentError)
             and "a different function with the same name already exists"
             in str(error))
+
+
+def redone_on_name_clash(make: Any) -> Any:
+    """`make()`'s function, made again (`vary`) and called again while
+    DTensor refuses its first call for a loop function's name
+    (`name_clash`): the refusal comes before anything runs."""
+    state = {"function": make(), "ran": False}
+
+    def call(*args):
+        for attempt in itertools.count(1):
+            try:
+                result = state["function"](*args)
+            except tf.errors.InvalidArgumentError as error:
+                if (state["ran"] or not name_clash(error)
+                        or attempt == MAX_NAME_CLASHES):
+                    raise
+                context.async_clear_error()
+                vary()
+                state["function"] = make()
+                continue
+            state["ran"] = True
+            return result
+
+    return call
 
 
 def cells_of(cell: Any) -> list | None:

@@ -19,14 +19,16 @@ from keras.src.backend import StatelessScope
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 from tensorflow.experimental import dtensor
+from tensorflow.python.eager import context
 
 from flexflow_keras.keras_graph import fill_arguments, function_of
-from flexflow_keras.runtime import fresh_state, op_rules, unfed_step
+from flexflow_keras.runtime import (
+    fresh_state, op_rules, rolled_rnn, unfed_step, unroll,
+)
 from flexflow_keras.runtime.fallback import fall_back
 from flexflow_keras.runtime.keras_functions import keras_function
 from flexflow_keras.runtime.model_step import keras_logits
 from flexflow_keras.runtime.tracing import step_function
-from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.layouts import replicated, segments
 from flexflow_keras.runtime.optimizers import Updater
 from flexflow_keras.runtime.variables import (
@@ -124,6 +126,11 @@ class Executor:
         self.dirty = False  # DVariables newer than the Keras variables
         self.updated = False  # some weights took the running train step
         self._fns: dict[tuple, Any] = {}
+        # Recurrent layers run rolled (`rolled_rnn`) until a first run
+        # fails before any weight took the step (`_failed`).
+        self.rolled = True
+        self._recurrent = any(unroll.recurrent(plan.op.layer)
+                              for plan in plans)
         # segment index -> its logits outputs (`_segment_outputs`)
         self._logits_outputs: dict[int, list[str]] = {}
         # Each segment's seed draws in a train step (`unfed_step`).
@@ -249,7 +256,8 @@ class Executor:
             with StatelessScope(
                 state_mapping=mapping, collect_losses=True
             ) as scope:
-                with unrolled(layer), op_rules.substitutes(plan.mesh), \
+                with unroll.unrolled(layer, self.rolled), \
+                        op_rules.substitutes(plan.mesh), \
                         op_rules.inner_splits_kept(inner), \
                         attributes_set(self._constants[id(plan)]):
                     out = layer(*args, **kwargs)
@@ -308,7 +316,10 @@ class Executor:
     def _fn(self, kind, *key):
         full = (kind,) + key
         if full not in self._fns:
-            self._fns[full] = getattr(self, "_make_" + kind)(*key)
+            make = getattr(self, "_make_" + kind)
+            self._fns[full] = rolled_rnn.redone_on_name_clash(
+                lambda: make(*key)
+            )
         return self._fns[full]
 
     def _make_forward(self, index, training, sharded, batch):
@@ -536,6 +547,13 @@ class Executor:
         if isinstance(error, OwnStepNeeded):
             return self._to_own_step(kind, str(error), batches)
         if isinstance(error, tf.errors.OpError):
+            if self._recurrent and self.rolled and not self.updated:
+                # Rolled loops DTensor refuses run unrolled, as before
+                # `rolled_rnn`; nothing took the step: it is redone.
+                context.async_clear_error()
+                self.rolled = False
+                self._fns.clear()
+                return self.make_function(kind)(batches)
             return fall_back(self.model, kind, error, batches, self.updated)
         raise error
 
