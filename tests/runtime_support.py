@@ -213,6 +213,18 @@ def assert_same_training(test, ref, model, history_ref, history, rtol=1e-5):
         test.assertLess(relative_error(v, r), rtol, msg=w.path)
 
 
+def assert_same_fits(test, histories, models, rtol=1e-5):
+    """`histories` (History.history dicts) and `models`, each keyed
+    "plain" and "ours": every logged value and weight equal within
+    `rtol`."""
+    for key, values in histories["plain"].items():
+        np.testing.assert_allclose(histories["ours"][key], values,
+                                   rtol=rtol, err_msg=key)
+    for a, b in zip(models["plain"].get_weights(),
+                    models["ours"].get_weights()):
+        np.testing.assert_allclose(b, a, rtol=rtol, atol=1e-6)
+
+
 def fresh_caches(test):
     """Nothing measured for the rest of `test`, as on a new user's
     machine: the op-cost, live-machine and probe caches point at an

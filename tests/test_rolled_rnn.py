@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 import flexflow_keras as fk
+import runtime_support as support
 from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.runtime import model_step, rolled_rnn, step
 from flexflow_keras.strategy import ParallelConfig, Strategy
@@ -62,16 +63,6 @@ def data(seed):
     lengths = rng.integers(2, STEPS + 1, ROWS)
     ids[np.arange(STEPS)[None, :] >= lengths[:, None]] = 0
     return ids, (ids[:, 0] > 10).astype("float32")
-
-
-def several_meshes(graph):
-    """Ops alternate between devices (0, 1) and (2, 3), the batch split
-    over each pair."""
-    return Strategy({
-        op.name: ParallelConfig((2,) + (1,) * (op.rank - 1),
-                                (0, 1) if i % 2 == 0 else (2, 3))
-        for i, op in enumerate(graph)
-    })
 
 
 def dense_on_one_device(graph):
@@ -114,12 +105,7 @@ class RolledRNNTest(unittest.TestCase):
         self.assertGreater(rolled.call_count, 0)
         if clashes:
             self.assertGreaterEqual(executor._name_clashes, clashes)
-        for key, values in histories["plain"].items():
-            np.testing.assert_allclose(histories["ours"][key], values,
-                                       rtol=1e-5, err_msg=key)
-        for a, b in zip(models["plain"].get_weights(),
-                        models["ours"].get_weights()):
-            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+        support.assert_same_fits(self, histories, models)
 
     def test_data_parallel(self):
         self.fit_both(lambda graph: Strategy.data_parallel(graph, 4))
@@ -133,7 +119,7 @@ class RolledRNNTest(unittest.TestCase):
         inputs (read under its StatelessScope, gone when the gradient
         runs: reading them there trained the RNN's weights as zero,
         keras.io's IMDB script 0.805 accurate against 0.9765)."""
-        self.fit_both(several_meshes, executor_type=step.Executor,
+        self.fit_both(support.several_meshes, executor_type=step.Executor,
                       masked=False)
 
     def test_name_clash_redone(self):

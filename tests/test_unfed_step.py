@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 import flexflow_keras as fk
+import runtime_support as support
 from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.runtime import model_step, step
 from flexflow_keras.strategy_files import save_strategy
@@ -74,12 +75,7 @@ def fit_both(test, strategy=None, steps_per_execution=1):
             models[name] = model
     test.assertEqual([str(w.message) for w in caught
                       if "plain Keras" in str(w.message)], [])
-    for key, values in histories["plain"].items():
-        np.testing.assert_allclose(histories["ours"][key], values,
-                                   rtol=1e-5, err_msg=key)
-    for a, b in zip(models["plain"].get_weights(),
-                    models["ours"].get_weights()):
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    support.assert_same_fits(test, histories, models)
     test.assertEqual(int(models["ours"].optimizer.iterations.numpy()),
                      int(models["plain"].optimizer.iterations.numpy()))
     return models["ours"]
