@@ -615,13 +615,19 @@ class ModelStepExecutor:
         first = (kind, _batch_of(batch)) not in self._ran
         if first:
             context.async_clear_error()
-        if first and self._recurrent and self.rolled \
-                and not rolled_rnn.name_clash(error):
-            # DTensor cannot lay out some strategies' rolled loops
-            # (measured, TF 2.21: a Dense on fewer devices after the RNN,
-            # "operand #0 does not dominate this use" in its backward
-            # loop): they run unrolled, as before `rolled_rnn`, and the
-            # step is traced again and redone.
+        if first and rolled_rnn.name_clash(error) \
+                and self._name_clashes < rolled_rnn.MAX_NAME_CLASHES:
+            # Nothing ran: the step is traced again and redone.
+            self._name_clashes += 1
+            rolled_rnn.vary()
+            self._functions.pop((kind, _batch_of(batch)), None)
+            return self.make_function(kind)(batches)
+        if first and self._recurrent and self.rolled:
+            # Rolled loops DTensor refuses (before the last output came
+            # from the loop's carries: "operand #0 does not dominate this
+            # use" under a Dense on fewer devices after the RNN) run
+            # unrolled, as before `rolled_rnn`; the step is traced again
+            # and redone.
             self.rolled = False
             self._functions.clear()
             return self.make_function(kind)(batches)
@@ -635,13 +641,6 @@ class ModelStepExecutor:
             self.replicated_ops.append(op)
             op_rules.enable([op])
             self._functions.clear()
-            return self.make_function(kind)(batches)
-        if first and rolled_rnn.name_clash(error) \
-                and self._name_clashes < rolled_rnn.MAX_NAME_CLASHES:
-            # Nothing ran: the step is traced again and redone.
-            self._name_clashes += 1
-            rolled_rnn.vary()
-            self._functions.pop((kind, _batch_of(batch)), None)
             return self.make_function(kind)(batches)
         if first and not (self._static_batch or self._recurrent):
             # DTensor expands some ops only on static shapes ("failed to
