@@ -388,6 +388,44 @@ class PlainKerasFallbackTest(unittest.TestCase):
             rtol=1e-6,
         )
 
+    def test_validation_hands_over_within_fit(self):
+        """A test step that falls back at the first epoch's validation:
+        the fit goes on as plain Keras (its next train step found no
+        train function: `TypeError: 'NoneType' object is not
+        callable`)."""
+
+        def build(cls):
+            class RolledInTest(cls):
+                def compute_loss(self, x=None, y=None, y_pred=None,
+                                 sample_weight=None, training=True):
+                    if not training:
+                        y_pred = keras.ops.roll(y_pred, 1, axis=1)
+                    return super().compute_loss(
+                        x, y, y_pred, sample_weight, training)
+
+            keras.utils.set_random_seed(5)
+            inputs = keras.Input((6, 4))
+            h = layers.Flatten()(layers.Dense(4, name="pre")(inputs))
+            return RolledInTest(inputs, layers.Dense(2)(h))
+
+        model, plain = build(Model), build(keras.Model)
+        model.compile("adam", "mse", search_budget=0)
+        plain.compile("adam", "mse")
+        rng = np.random.default_rng(2)
+        x = rng.random((48, 6, 4), dtype=np.float32)
+        y = rng.random((48, 2), dtype=np.float32)
+        fit = dict(batch_size=16, epochs=3, validation_split=0.25,
+                   verbose=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = model.fit(x, y, **fit)
+        texts = [str(w.message) for w in caught]
+        self.assertTrue(any("from now on" in t for t in texts), texts)
+        expected = plain.fit(x, y, **fit)
+        for key, values in expected.history.items():
+            np.testing.assert_allclose(history.history[key], values,
+                                       rtol=1e-6, err_msg=key)
+
     def test_predict_and_evaluate_hand_over_too(self):
         x = np.random.default_rng(1).random((20, 6, 4), dtype=np.float32)
         y = np.zeros((20, 2), np.float32)

@@ -98,6 +98,7 @@ def to_plain_keras(model: Any, kind: str, reason: str, data: Any) -> Any:
         "Keras."
     )
     getattr(model, f"make_{kind}_function")(force=True)
+    _train_function_kept(model, kind)
     return getattr(model, f"{kind}_function")(data)
 
 
@@ -110,7 +111,17 @@ def to_data_parallel(
     model._strategy_replaced(
         graph, one_mesh_data_parallel(graph, parts), reason
     )
+    _train_function_kept(model, kind)
     return getattr(model, f"make_{kind}_function")(force=True)(data)
+
+
+def _train_function_kept(model: Any, kind: str) -> None:
+    """The train function made anew after a test or predict step handed
+    the model over: a `fit` whose validation did reads
+    `model.train_function` at its next step without making it
+    (`TypeError: 'NoneType' object is not callable`)."""
+    if kind != "train" and model.train_function is None:
+        model.make_train_function()
 
 
 def _parse_message_linear(message: str) -> tuple[str, list, list]:
