@@ -227,7 +227,7 @@ def record(executor: Any, data: Any) -> list[Realized]:
             break
         except tf.errors.InvalidArgumentError as error:
             # DTensor may refuse a loop function's name as the step's
-            # first run may (`model_step.name_clash`): traced again.
+            # first run may (`rolled_rnn.name_clash`): traced again.
             if not name_clash(error) or attempt == MAX_NAME_CLASHES:
                 raise
             context.async_clear_error()
