@@ -380,8 +380,9 @@ class TracingTest(unittest.TestCase):
             "d2": ParallelConfig((2, 1), (0, 1)),
         }))
         self.assertIsInstance(executor, Executor)
+        functions = {key: f.function for key, f in executor._fns.items()}
         counts = {key: f.experimental_get_tracing_count()
-                  for key, f in executor._fns.items()
+                  for key, f in functions.items()
                   if hasattr(f, "experimental_get_tracing_count")}
         self.assertGreater(len(counts), 12)  # forward/backward x variants
         self.assertEqual(set(counts.values()), {1}, counts)

@@ -83,28 +83,30 @@ def name_clash(error: Exception) -> bool:
             in str(error))
 
 
-def redone_on_name_clash(make: Any) -> Any:
-    """`make()`'s function, made again (`vary`) and called again while
-    DTensor refuses its first call for a loop function's name
+class RedoneOnNameClash:
+    """`make()`'s function (`function`), made again (`vary`) and called
+    again while DTensor refuses its first call for a loop function's name
     (`name_clash`): the refusal comes before anything runs."""
-    state = {"function": make(), "ran": False}
 
-    def call(*args):
+    def __init__(self, make: Any):
+        self._make = make
+        self.function = make()
+        self._ran = False
+
+    def __call__(self, *args: Any) -> Any:
         for attempt in itertools.count(1):
             try:
-                result = state["function"](*args)
+                result = self.function(*args)
             except tf.errors.InvalidArgumentError as error:
-                if (state["ran"] or not name_clash(error)
+                if (self._ran or not name_clash(error)
                         or attempt == MAX_NAME_CLASHES):
                     raise
                 context.async_clear_error()
                 vary()
-                state["function"] = make()
+                self.function = self._make()
                 continue
-            state["ran"] = True
+            self._ran = True
             return result
-
-    return call
 
 
 def cells_of(cell: Any) -> list | None:

@@ -317,7 +317,7 @@ class Executor:
         full = (kind,) + key
         if full not in self._fns:
             make = getattr(self, "_make_" + kind)
-            self._fns[full] = rolled_rnn.redone_on_name_clash(
+            self._fns[full] = rolled_rnn.RedoneOnNameClash(
                 lambda: make(*key)
             )
         return self._fns[full]
