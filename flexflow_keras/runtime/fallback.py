@@ -116,10 +116,11 @@ def to_data_parallel(
 
 
 def _train_function_kept(model: Any, kind: str) -> None:
-    """The train function made anew after a test or predict step handed
-    the model over: a `fit` whose validation did reads
-    `model.train_function` at its next step without making it
-    (`TypeError: 'NoneType' object is not callable`)."""
+    """Makes the train function anew after a test or predict step
+    handed the model over. Why: when that happens during a `fit`'s
+    validation, the fit reads `model.train_function` at its next step
+    without making it (`TypeError: 'NoneType' object is not
+    callable`)."""
     if kind != "train" and model.train_function is None:
         model.make_train_function()
 

@@ -53,7 +53,7 @@ from flexflow_keras.runtime.layouts import OpPlan, replicated
 from flexflow_keras.runtime.tracing import step_function
 from flexflow_keras.runtime.variables import (
     Transfers, argument_constants, attributes_set, gather, layer_constants,
-    SMALL_INPUT_ELEMENTS, padded, replicate, to_layout,
+    padded, replicate, to_layout, unpadded,
 )
 
 
@@ -176,13 +176,8 @@ class ModelStepExecutor:
         # Ops a first run found DTensor could not lay out, now replicated.
         self.replicated_ops: list[str] = []
         self._static_batch = False  # steps traced with the batch dim known
-        self._name_clashes = 0  # first runs redone (`_failed`)
-        # A rolled recurrent loop is laid out only on static shapes
-        # (`rolled_rnn`): such steps are traced with their batch size.
-        self._recurrent = any(unroll.recurrent(plan.op.layer)
-                              for plan in plans)
         # Recurrent layers run rolled until a first run fails (`_failed`).
-        self.rolled = True
+        self.loops = unroll.Loops(plans)
         # Lookup layers on raw features run on the host before each step
         # (`host_prefix`); while a step is traced, their calls return
         # the results the step was given.
@@ -402,7 +397,7 @@ class ModelStepExecutor:
         args, kwargs = op_rules.int32_indices(operation, args, kwargs)
         inner = any(op_rules.splits_inner_dims(layout)
                     for layout in layouts.values())
-        with unroll.unrolled(operation, self.rolled), self._inside(), \
+        with self.loops.running(operation), self._inside(), \
                 op_rules.inner_splits_kept(inner):
             outputs = _KERAS_CALL(operation, *args, **kwargs)
         flat = tree.flatten(outputs)
@@ -523,14 +518,16 @@ class ModelStepExecutor:
                 ))
 
             traced.get_concrete_function(_specs(
-                data.values, self._static_batch or self._recurrent
+                data.values, self._static_batch or self.loops.recurrent
             ), data.shapes)
-            return _StepFunction(traced)
+            return _StepFunction(traced, kind)
 
-        function = traced_once()
+        # A first run DTensor refuses for a loop function's name is
+        # traced again and redone (`rolled_rnn.name_clash`).
+        function = rolled_rnn.RedoneOnNameClash(traced_once)
         if self._realize():  # the trace made variables: trace anew
             self._functions.clear()
-            function = traced_once()
+            function = rolled_rnn.RedoneOnNameClash(traced_once)
         self._functions[(kind, batch)] = function
         return function
 
@@ -615,20 +612,11 @@ class ModelStepExecutor:
         first = (kind, _batch_of(batch)) not in self._ran
         if first:
             context.async_clear_error()
-        if first and rolled_rnn.name_clash(error) \
-                and self._name_clashes < rolled_rnn.MAX_NAME_CLASHES:
-            # Nothing ran: the step is traced again and redone.
-            self._name_clashes += 1
-            rolled_rnn.vary()
-            self._functions.pop((kind, _batch_of(batch)), None)
-            return self.make_function(kind)(batches)
-        if first and self._recurrent and self.rolled:
+        if first and self.loops.unroll_instead():
             # Rolled loops DTensor refuses (before the last output came
             # from the loop's carries: "operand #0 does not dominate this
             # use" under a Dense on fewer devices after the RNN) run
-            # unrolled, as before `rolled_rnn`; the step is traced again
-            # and redone.
-            self.rolled = False
+            # unrolled; the step is traced again and redone.
             self._functions.clear()
             return self.make_function(kind)(batches)
         op = op_to_replicate(error) if first else None
@@ -642,7 +630,7 @@ class ModelStepExecutor:
             op_rules.enable([op])
             self._functions.clear()
             return self.make_function(kind)(batches)
-        if first and not (self._static_batch or self._recurrent):
+        if first and not (self._static_batch or self.loops.recurrent):
             # DTensor expands some ops only on static shapes ("failed to
             # extract constant value", "requires output type to have
             # statically known rank": a reshape or tile whose shape comes
@@ -661,6 +649,7 @@ class _StepFunction(NamedTuple):
     `_MeshBatch`."""
 
     function: Any  # the tf.function, on (values, padded shapes)
+    kind: str  # train, test or predict
 
     def __call__(self, batch: "_MeshBatch") -> Any:
         return self.function(batch.values, batch.shapes)
@@ -678,20 +667,10 @@ class _MeshBatch(NamedTuple):
 
 def _unpadded(values: Any, shapes: tuple) -> Any:
     """A `_MeshBatch`'s values as the batch was, inside the step, their
-    batch dim as unknown as the step was traced with: the element count
-    comes from the padded input's shape, so a step traced on an unknown
-    batch does not learn its size here (Keras's per-output loss
-    trackers weigh a known batch otherwise: losses 2.7% off on a last
-    partial batch)."""
-
-    def unpad(value, shape):
-        if shape is None:
-            return value
-        surplus = SMALL_INPUT_ELEMENTS - int(np.prod(shape))
-        count = tf.shape(value)[0] - surplus
-        return tf.reshape(value[:count], [-1] + list(shape[1:]))
-
-    leaves = [unpad(value, shape)
+    batch dim as unknown as the step was traced with
+    (`variables.unpadded`)."""
+    leaves = [value if shape is None
+              else unpadded(value, shape, batch_unknown=True)
               for value, shape in zip(tree.flatten(values), shapes)]
     return tree.pack_sequence_as(values, leaves)
 

@@ -41,7 +41,6 @@ step when `FLEXFLOW_KERAS_SHOW_LAYOUTS=1` (docs/RUNTIME.md).
 import contextlib
 import dataclasses
 import functools
-import itertools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -52,9 +51,6 @@ from keras import tree
 from tensorflow.experimental import dtensor
 from tensorflow.python.eager import context
 
-from flexflow_keras.runtime.rolled_rnn import (
-    MAX_NAME_CLASHES, name_clash, vary,
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,34 +216,27 @@ def record(executor: Any, data: Any) -> list[Realized]:
     """The layouts of every op's tensors in `executor`'s train step on
     the batch `data` (as `fit` gives it); training state unchanged."""
     batch = executor._on_mesh(data)
-    for attempt in itertools.count(1):
-        recorder = _Recorder(executor)
-        try:
-            layouts = _run_recording(executor, recorder, batch)
-            break
-        except tf.errors.InvalidArgumentError as error:
-            # DTensor may refuse a loop function's name as the step's
-            # first run may (`rolled_rnn.name_clash`): traced again.
-            if not name_clash(error) or attempt == MAX_NAME_CLASHES:
-                raise
-            context.async_clear_error()
-            vary()
-    return [dataclasses.replace(e, layout=layout)
-            for e, layout in zip(recorder.entries, layouts)]
-
-
-def _run_recording(executor: Any, recorder: "_Recorder",
-                   batch: Any) -> list:
-    """Traces and runs the recording step once; the layouts of the
-    recorded tensors."""
+    recorder = _Recorder(executor)
     functions = dict(executor._functions)
+    # Requested until the step has run: a first run DTensor refuses for a
+    # loop function's name is traced again and redone
+    # (`rolled_rnn.RedoneOnNameClash`), and each trace records afresh.
     _REQUESTED.append(recorder)
     try:
         function = executor._trace("train", batch)
+        layouts = _run_unchanged(executor, function, batch, recorder)
     finally:
         _REQUESTED.remove(recorder)
         executor._functions.clear()
         executor._functions.update(functions)
+    return [dataclasses.replace(e, layout=layout)
+            for e, layout in zip(recorder.entries, layouts)]
+
+
+def _run_unchanged(executor: Any, function: Any, batch: Any,
+                   recorder: "_Recorder") -> list:
+    """Runs the recording step once, its writes undone after; the
+    layouts of the recorded tensors."""
     variables = [s for _, s, _ in executor._pairs]
     if executor._random_state is not None:
         variables.append(executor._random_state)

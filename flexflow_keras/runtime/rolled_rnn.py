@@ -19,7 +19,7 @@ slice that adds an axis in the body (`x[None]` crashed the process:
 (`rolled_rnn`), and only Keras's own cells, whose bodies are known to
 keep to that; other cells run unrolled (`unroll.py`). DTensor may name a
 loop's functions as an earlier expansion's (`name_clash`): the step's
-first run is then redone by the caller.
+first run is then traced again and redone (`RedoneOnNameClash`).
 """
 
 import itertools
@@ -76,33 +76,47 @@ def name_clash(error: Exception) -> bool:
     functions of earlier expansions stay in the eager context: a later
     expansion's loop can get an earlier loop's name (measured:
     'rnn_loop_3520_cond' of the train step, in the test step's
-    expansion). The refusal comes before anything runs; traced again,
-    the step's loops land elsewhere (measured: at most two redos)."""
+    expansion). The refusal comes before anything runs, so the caller
+    traces the step again and redoes it (`RedoneOnNameClash`)."""
     return (isinstance(error, tf.errors.InvalidArgumentError)
             and "a different function with the same name already exists"
             in str(error))
 
 
 class RedoneOnNameClash:
-    """`make()`'s function (`function`), made again (`vary`) and called
-    again while DTensor refuses its first call for a loop function's name
-    (`name_clash`): the refusal comes before anything runs."""
+    """`make()`'s function (`function`), made again and called again
+    while DTensor refuses its first call for a loop function's name
+    (`name_clash`), at most `MAX_NAME_CLASHES` times: the refusal comes
+    before anything runs. Each redo's loops carry one counter more
+    (`vary`): redone unchanged, a loop tends to land where it was and be
+    refused under the same name again.
+
+    The one place a refused first call is redone: both executors' step
+    functions and `realized.record`'s recording step are made through
+    it. `redos` counts the calls redone.
+    """
 
     def __init__(self, make: Any):
         self._make = make
         self.function = make()
         self._ran = False
+        self.redos = 0
 
     def __call__(self, *args: Any) -> Any:
         for attempt in itertools.count(1):
             try:
                 result = self.function(*args)
+                if not self._ran:
+                    # DTensor runs functions asynchronously: a refusal
+                    # could surface at a later op, past this reach.
+                    context.async_wait()
             except tf.errors.InvalidArgumentError as error:
                 if (self._ran or not name_clash(error)
                         or attempt == MAX_NAME_CLASHES):
                     raise
                 context.async_clear_error()
                 vary()
+                self.redos += 1
                 self.function = self._make()
                 continue
             self._ran = True

@@ -128,9 +128,7 @@ class Executor:
         self._fns: dict[tuple, Any] = {}
         # Recurrent layers run rolled (`rolled_rnn`) until a first run
         # fails before any weight took the step (`_failed`).
-        self.rolled = True
-        self._recurrent = any(unroll.recurrent(plan.op.layer)
-                              for plan in plans)
+        self.loops = unroll.Loops(plans)
         # segment index -> its logits outputs (`_segment_outputs`)
         self._logits_outputs: dict[int, list[str]] = {}
         # Each segment's seed draws in a train step (`unfed_step`).
@@ -256,7 +254,7 @@ class Executor:
             with StatelessScope(
                 state_mapping=mapping, collect_losses=True
             ) as scope:
-                with unroll.unrolled(layer, self.rolled), \
+                with self.loops.running(layer), \
                         op_rules.substitutes(plan.mesh), \
                         op_rules.inner_splits_kept(inner), \
                         attributes_set(self._constants[id(plan)]):
@@ -547,11 +545,10 @@ class Executor:
         if isinstance(error, OwnStepNeeded):
             return self._to_own_step(kind, str(error), batches)
         if isinstance(error, tf.errors.OpError):
-            if self._recurrent and self.rolled and not self.updated:
-                # Rolled loops DTensor refuses run unrolled, as before
-                # `rolled_rnn`; nothing took the step: it is redone.
+            if not self.updated and self.loops.unroll_instead():
+                # Rolled loops DTensor refuses run unrolled; nothing took
+                # the step: it is redone.
                 context.async_clear_error()
-                self.rolled = False
                 self._fns.clear()
                 return self.make_function(kind)(batches)
             return fall_back(self.model, kind, error, batches, self.updated)

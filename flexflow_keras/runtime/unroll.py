@@ -61,6 +61,37 @@ def recurrent(layer: Any) -> bool:
     return hasattr(layer, "cell") or hasattr(layer, "forward_layer")
 
 
+class Loops:
+    """How an executor runs its plans' recurrent layers: rolled
+    (`rolled_rnn`) until DTensor refuses a step's first run, unrolled
+    from then on (as before `rolled_rnn`: slower to trace and expand,
+    but plain ops). The rule both executors keep.
+
+    Args:
+        plans: The executor's op plans (each with `.op.layer`).
+    """
+
+    def __init__(self, plans: Any):
+        # Whether any layer runs a loop: a rolled loop is laid out only on
+        # static shapes, so such steps are traced with their batch size.
+        self.recurrent = any(recurrent(plan.op.layer) for plan in plans)
+        self.rolled = True
+
+    def running(self, layer: Any) -> Any:
+        """The context `layer` is called in while a step is traced."""
+        return unrolled(layer, self.rolled)
+
+    def unroll_instead(self) -> bool:
+        """After a first run DTensor refused (nothing took the step):
+        whether the loops run unrolled from now on, so the step is to be
+        traced again and redone; False if there is nothing left to try
+        (no loops, or unrolled already)."""
+        if not (self.recurrent and self.rolled):
+            return False
+        self.rolled = False
+        return True
+
+
 def _as_dtensor_loop(keras_rnn: Any, cells: list | None) -> Any:
     """Keras's `backend.rnn` as a loop DTensor lays out: `rolled_rnn`'s
     for the layer's `cells` (Keras's own) when it `rolls`, else Keras's
