@@ -4,8 +4,9 @@ For every script in `examples/` (small sizes), the `compare` command's
 two runs (`flexflow_keras.compare.run_side`: its own process, seeded
 alike): plain Keras, then flexflow_keras on 1 device and on 4 virtual
 CPU devices (`FLEXFLOW_KERAS_CPU_DEVICES`). Prints wall time and time to
-the first training step (both from process start), and each flexflow_keras
-figure relative to plain Keras's.
+the first training step (both from process start), the first fit's first
+epoch (validation included), and each flexflow_keras figure relative to
+plain Keras's.
 
 Usage:
     python bench/overhead_bench.py [--examples mlp,cnn] [--budget 100]
@@ -18,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from flexflow_keras.compare import run_side  # noqa: E402
+from flexflow_keras.compare import first_epoch_s, run_side  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The examples whose default sizes are already small; the others take
@@ -48,8 +49,8 @@ def main() -> None:
         f[:-3] for f in os.listdir(os.path.join(ROOT, "examples"))
         if f.endswith(".py"))
     counts = [int(n) for n in args.devices.split(",")]
-    header = f"{'example':<20}{'keras wall/first':>20}" + "".join(
-        f"{f'ffk x{n} wall/first':>30}" for n in counts)
+    header = f"{'example':<20}{'keras wall/step/epoch':>24}" + "".join(
+        f"{f'ffk x{n} wall/step/epoch':>44}" for n in counts)
     print(header, flush=True)
     for name in names:
         script = os.path.join(ROOT, "examples", f"{name}.py")
@@ -70,20 +71,24 @@ def main() -> None:
                 os.dup2(saved[0], 1)
                 os.dup2(saved[1], 2)
         cells = [_pair(plain, None)] + [_pair(r, plain) for r in ours]
-        print(f"{name:<20}{cells[0]:>20}" + "".join(f"{c:>30}"
+        print(f"{name:<20}{cells[0]:>24}" + "".join(f"{c:>44}"
                                                      for c in cells[1:]),
               flush=True)
 
 
 def _pair(result: dict, base: dict | None) -> str:
+    """`wall/first step/first epoch` seconds, with ratios to `base`'s."""
     if result.get("status"):
         return f"failed ({result.get('status')})"
-    wall, first = result.get("wall_s"), result.get("first_step_s")
-    text = f"{wall:.1f}/{first:.1f} s" if first is not None else \
-        f"{wall:.1f}/- s"
-    if base and base.get("wall_s") and base.get("first_step_s") and first:
-        text += (f" ({wall / base['wall_s']:.2f}x/"
-                 f"{first / base['first_step_s']:.2f}x)")
+    figures = [result.get("wall_s"), result.get("first_step_s"),
+               first_epoch_s(result)]
+    text = "/".join("-" if f is None else f"{f:.1f}" for f in figures) + " s"
+    if base:
+        bases = [base.get("wall_s"), base.get("first_step_s"),
+                 first_epoch_s(base)]
+        text += " (" + "/".join(
+            f"{f / b:.2f}x" if f and b else "-"
+            for f, b in zip(figures, bases)) + ")"
     return text
 
 

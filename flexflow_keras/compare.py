@@ -91,6 +91,9 @@ def report(plain: dict, ours: dict) -> str:
     lines.append(f"{'time to first step':<24}"
                  f"{_seconds(plain.get('first_step_s')):>14}"
                  f"{_seconds(ours.get('first_step_s')):>16}")
+    lines.append(f"{'first epoch':<24}"
+                 f"{_seconds(first_epoch_s(plain)):>14}"
+                 f"{_seconds(first_epoch_s(ours)):>16}")
     for side, result in (("plain Keras", plain), ("flexflow_keras", ours)):
         if result.get("error") or result.get("status"):
             lines.append(f"{side} failed (status {result.get('status')}): "
@@ -111,6 +114,13 @@ def report(plain: dict, ours: dict) -> str:
         lines.append("warnings only flexflow_keras raised:")
         lines.extend(f"  {w}" for w in only_ours)
     return "\n".join(lines)
+
+
+def first_epoch_s(result: dict) -> float | None:
+    """Seconds of the first fit's first epoch in a `run_side` result."""
+    fits = result.get("fits") or []
+    seconds = fits[0].get("epoch_s") if fits else None
+    return seconds[0] if seconds else None
 
 
 def _epochs_table(plain: list[dict], ours: list[dict]) -> list[str]:

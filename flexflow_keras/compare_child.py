@@ -86,16 +86,24 @@ class _Recorder:
 
     def callback(self, keras_module, model):
         recorder = self
-        fit = {"model": getattr(model, "name", "?"), "epochs": []}
+        # `epoch_s`: each epoch's seconds, validation included (a first
+        # epoch holds the tracing and expansion a strategy adds).
+        fit = {"model": getattr(model, "name", "?"), "epochs": [],
+               "epoch_s": []}
         self.fits.append(fit)
+        began = [0.0]
 
         class Record(keras_module.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                began[0] = time.perf_counter()
+
             def on_train_batch_end(self, batch, logs=None):
                 if recorder.first_step_s is None:
                     recorder.first_step_s = time.perf_counter() - \
                         recorder.start
 
             def on_epoch_end(self, epoch, logs=None):
+                fit["epoch_s"].append(time.perf_counter() - began[0])
                 fit["epochs"].append({
                     k: float(v) for k, v in (logs or {}).items()
                     if _is_number(v)

@@ -119,6 +119,9 @@ class CompareTest(unittest.TestCase):
         self.assertRegex(done.stdout, r"strategy \(search\) over [2-4] "
                          r"device")
         self.assertIn("time to first step", done.stdout)
+        # each side's first epoch timed: "first epoch  1.2 s  3.4 s"
+        self.assertRegex(done.stdout,
+                         r"first epoch\s+\d+\.\d s\s+\d+\.\d s")
 
     def test_missing_script_is_refused(self):
         done = compare("no_such_script.py")
