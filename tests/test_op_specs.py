@@ -74,8 +74,9 @@ class CnnGraphTest(GraphAssertions):
         self.assertEqual(
             graph.op("dw").forward_flops, 2 * (BATCH * 4 * 4 * 6) * 9
         )
-        # Its gradients run only replicated (capabilities.TABLE).
-        self.assertEqual(graph.op("dw").partitionable, {})
+        # Split by the batch only (capabilities.TABLE; its gradients
+        # through runtime/depthwise.py).
+        self.assertEqual(graph.op("dw").partitionable, {0: "sample"})
 
     def test_conv_is_sample_only(self):
         # DTensor needs a replicated filter and cannot split spatial dims.

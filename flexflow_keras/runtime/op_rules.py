@@ -10,7 +10,9 @@ equal to plain Keras:
   from gathers, which DTensor shards (same values, bit for bit); runs a
   dilated convolution (TensorFlow's `SpaceToBatchND`/`BatchToSpaceND`)
   as a plain one whose kernel has the holes written in as zeros (same
-  values up to the order of float sums); and gathers the inputs of a
+  values up to the order of float sums); runs depthwise and separable
+  convolutions with a gradient DTensor splits by the batch
+  (`depthwise.py`: it has no rule for TensorFlow's); and gathers the inputs of a
   `keras.ops.concatenate` along the batch axis first (DTensor refuses to
   concatenate along a split dim: a GAN joining fake and real batches).
 - `substitutes` also makes `tf.argmax`/`argmin` (below) and every
@@ -58,6 +60,7 @@ from keras.src.backend.tensorflow import nn as tf_nn
 from keras.src.backend.tensorflow import numpy as tf_numpy
 
 from flexflow_keras import capabilities
+from flexflow_keras.runtime import depthwise
 
 _PREFIX = "DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_TF."
 
@@ -242,6 +245,9 @@ def substitutes(mesh: Any) -> Iterator[None]:
                                              "kernel")),
         (tf_nn, "separable_conv", _undilated(tf_nn.separable_conv,
                                              "depthwise_kernel")),
+        # Keras's backend (and a user's layer) call these through `tf.nn`.
+        (tf.nn, "depthwise_conv2d", depthwise.depthwise_conv2d),
+        (tf.nn, "separable_conv2d", depthwise.separable_conv2d),
     ]
     saved = [(module, name, getattr(module, name), new)
              for module, name, new in saved]
