@@ -58,6 +58,16 @@ def kept(model: Any = None) -> Iterator[None]:
                 variable.assign(value)
 
 
+def global_seed_state() -> Any:
+    """The state variable of Keras's global `SeedGenerator` (what
+    `keras.random.*` without a seed draws from), or None before the
+    first such draw made it."""
+    generator = global_state.get_global_attribute(
+        seed_generator.GLOBAL_SEED_GENERATOR
+    )
+    return None if generator is None else generator.state
+
+
 def _save() -> dict[str, Any]:
     eager = context.context()
     op_seeds = getattr(eager, "_rng", None)

@@ -67,6 +67,33 @@ class NoisyScale(keras.layers.Layer):
         return x * (1.0 + noise)
 
 
+class NoisyRouter(keras.layers.Layer):
+    """keras.io's Switch Transformer router, cut down: noise drawn with
+    no seed (Keras's global SeedGenerator: each device's program
+    advanced it, racing), top-1 routing (`ops.top_k`: DTensor failed
+    its gradient on a split batch) and a capacity by a cumulative sum
+    over the batch."""
+
+    def __init__(self, experts=4, capacity=3, **kwargs):
+        super().__init__(**kwargs)
+        self.experts, self.capacity = experts, capacity
+
+    def build(self, input_shape):
+        self.route = self.add_weight(shape=(input_shape[-1], self.experts),
+                                     initializer="glorot_uniform",
+                                     name="route")
+
+    def call(self, x, training=None):
+        logits = keras.ops.matmul(x, self.route)
+        if training:
+            logits += keras.random.uniform(keras.ops.shape(logits), 0.9, 1.1)
+        gate, index = keras.ops.top_k(keras.ops.softmax(logits), k=1)
+        mask = keras.ops.one_hot(index[:, 0], self.experts)
+        position = keras.ops.cumsum(mask, axis=0) * mask
+        mask = mask * keras.ops.cast(position <= self.capacity, "float32")
+        return x * gate * keras.ops.sum(mask, axis=-1, keepdims=True)
+
+
 def _classes(n=SAMPLES, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, 16)).astype("float32")
@@ -145,6 +172,15 @@ def build_custom_random_and_dropout(mod):
     return _compiled(mod, inputs, outputs), _classes()
 
 
+def build_unseeded_router(mod):
+    inputs = mod.Input((16,), name="x")
+    h = mod.layers.Dense(32, activation="relu", name="d1")(inputs)
+    h = NoisyRouter(name="router")(h)
+    h = mod.layers.Dropout(0.25, name="drop")(h)
+    outputs = mod.layers.Dense(4, name="out")(h)
+    return _compiled(mod, inputs, outputs), _classes()
+
+
 def build_random_in_train_step(mod):
     class NoisyStep(mod.Model):
         """A user's step that perturbs its inputs with keras.random."""
@@ -178,6 +214,7 @@ MODELS = {
     "random_flip_rotation": build_flip_rotation,
     "custom_random_and_dropout": build_custom_random_and_dropout,
     "random_in_train_step": build_random_in_train_step,
+    "unseeded_router": build_unseeded_router,
 }
 
 
@@ -219,9 +256,13 @@ def fit_both(test, build, make_strategy=None):
         )
         fit = dict(batch_size=BATCH, epochs=EPOCHS, shuffle=False,
                    verbose=0, validation_split=0.25)
+        # Each fit from the same seed: Keras's global SeedGenerator
+        # (draws without a seed) is shared by the two models otherwise.
+        keras.utils.set_random_seed(7)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ours_history = ours.fit(x, y, **fit).history
+        keras.utils.set_random_seed(7)
         plain_history = plain.fit(x, y, **fit).history
     fallbacks = [str(w.message) for w in caught
                  if "plain Keras" in str(w.message)]
@@ -242,7 +283,7 @@ def fit_both(test, build, make_strategy=None):
 
 FAST = ("antirectifier_dropout", "spatial_dropout1d",
         "gaussian_noise_dropout", "custom_random_and_dropout",
-        "random_in_train_step")
+        "random_in_train_step", "unseeded_router")
 
 
 class RandomDrawsTest(unittest.TestCase):

@@ -209,6 +209,36 @@ def replicated_draw(draw: Any, mesh: Any) -> Any:
     return run
 
 
+def whole_on(mesh: Any, op: Any) -> Any:
+    """`op` with its tensor inputs and outputs whole on every device of
+    `mesh`.
+
+    For `tf.math.top_k`: DTensor runs its forward on a split input, but
+    its gradient (a `ScatterNd` into the input's flattened size) indexes
+    the global size into each device's part (measured, keras.io's
+    Switch Transformer router: "indices[599] = [5990] does not index
+    into shape [1500]", its first step failed and it trained as plain
+    Keras). Whole, each device computes the whole op: the routing
+    decisions of a batch, small beside the experts they route to.
+    """
+
+    def whole(value):
+        if isinstance(value, tf.Tensor) and value.shape.rank is not None:
+            return dtensor.relayout(
+                value, dtensor.Layout.replicated(mesh, value.shape.rank)
+            )
+        return value
+
+    def run(*args, **kwargs):
+        args, kwargs = tree.map_structure(
+            lambda v: whole(tf.convert_to_tensor(v))
+            if isinstance(v, (tf.Tensor, tf.Variable)) else v,
+            (args, kwargs))
+        return tree.map_structure(whole, op(*args, **kwargs))
+
+    return run
+
+
 def _draw_substitutes(mesh: Any) -> list[tuple[Any, str, Any]]:
     """(module, name, replacement) for every stateless draw, and for
     `tf.argmax`/`argmin`: DTensor's ArgMax gives a split output of a
@@ -248,6 +278,8 @@ def substitutes(mesh: Any) -> Iterator[None]:
         # Keras's backend (and a user's layer) call these through `tf.nn`.
         (tf.nn, "depthwise_conv2d", depthwise.depthwise_conv2d),
         (tf.nn, "separable_conv2d", depthwise.separable_conv2d),
+        (tf.math, "top_k", whole_on(mesh, tf.math.top_k)),
+        (tf.nn, "top_k", whole_on(mesh, tf.nn.top_k)),
     ]
     saved = [(module, name, getattr(module, name), new)
              for module, name, new in saved]
