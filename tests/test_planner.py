@@ -160,3 +160,10 @@ class OneDeviceWhenNothingFitsTest(unittest.TestCase):
                             for w in caught))
         # Not even the whole host: the plan stays as it was.
         self.assertEqual(self._plan(memory // 8).source, "data_parallel")
+        # Fits as the simulator counts, not as DTensor holds it on CPU
+        # devices (planner.DTENSOR_CPU_MEMORY_FACTOR): one device.
+        tight = int(spread * (1 + planner.DTENSOR_CPU_MEMORY_FACTOR) / 2)
+        self.assertGreaterEqual(4 * tight, whole.peak_memory_bytes[0])
+        self.assertEqual(self._plan(tight).source, "one_device")
+        roomier = int(spread * planner.DTENSOR_CPU_MEMORY_FACTOR) + 1
+        self.assertEqual(self._plan(roomier).source, "data_parallel")

@@ -16,10 +16,9 @@ sum TensorFlow's kernels compute, in another order):
 - kernel: for tap (a, b), the input window the tap saw (a strided slice
   of the padded input) times the output gradient, summed over batch and
   positions: each device sums its rows and DTensor all-reduces;
-- input: for tap (a, b), the output gradient times the tap's weights,
-  summed over the channel multiplier, placed back where the tap read it
-  (strides: zeros interleaved by a pad and a reshape), summed over taps,
-  the padding cut off.
+- input: the transposed convolution as TensorFlow's forward depthwise
+  op, which DTensor splits: the output gradient with zeros between its
+  positions (strides), padded, through the flipped kernel.
 
 NHWC, dilation 1 and known spatial sizes only (Keras's CPU path is
 NHWC, and `op_rules` writes a dilated kernel out); anything else runs
@@ -156,36 +155,54 @@ def _window(padded: Any, a: int, b: int, g: _Geometry) -> Any:
 
 
 def _kernel_gradient(dy: Any, x: Any, kernel: Any, g: _Geometry) -> Any:
+    """Tap by tap, each tap after the one before (a control
+    dependency): run side by side, every tap's product with the output
+    gradient was alive at once, nine times the activations (keras.io's
+    Xception-like net was killed for memory at 20 GiB)."""
     channels, multiplier = kernel.shape[2], kernel.shape[3]
     padded = tf.pad(x, [[0, 0], list(g.pads[0]), list(g.pads[1]), [0, 0]])
     dy = tf.reshape(dy, [-1, g.out[0], g.out[1], channels, multiplier])
-    taps = []
+    taps, previous = [], []
     for a, b in _taps(g):
-        window = tf.expand_dims(_window(padded, a, b, g), -1)
-        taps.append(tf.reduce_sum(window * dy, axis=[0, 1, 2]))
+        with tf.control_dependencies(previous):
+            window = tf.expand_dims(_window(padded, a, b, g), -1)
+            tap = tf.reduce_sum(window * dy, axis=[0, 1, 2])
+        taps.append(tap)
+        previous = [tap]
     return tf.reshape(tf.stack(taps), kernel.shape)
 
 
 def _input_gradient(dy: Any, kernel: Any, x: Any, g: _Geometry) -> Any:
+    """The transposed convolution, as the forward depthwise op (which
+    DTensor splits): the output gradient with zeros between its
+    positions (strides), padded by the kernel's size less one, run
+    through the spatially flipped kernel, one channel per input channel
+    and multiplier, then summed over the multiplier; the padding cut
+    off."""
     channels, multiplier = kernel.shape[2], kernel.shape[3]
     (sh, sw), (oh, ow) = g.strides, g.out
+    (kh, kw) = g.kernel
     (top, bottom), (left, right) = g.pads
     height = x.shape[1] + top + bottom
     width = x.shape[2] + left + right
-    dy = tf.reshape(dy, [-1, oh, ow, channels, multiplier])
-    total = None
-    for a, b in _taps(g):
-        # what tap (a, b) of each output position read, per input channel
-        part = tf.reduce_sum(dy * kernel[a, b], axis=-1)  # (B, oh, ow, C)
-        if sh > 1 or sw > 1:  # zeros between the positions it read
-            part = tf.reshape(part, [-1, oh, 1, ow, 1, channels])
-            part = tf.pad(part, [[0, 0], [0, 0], [0, sh - 1], [0, 0],
-                                 [0, sw - 1], [0, 0]])
-            part = tf.reshape(part, [-1, oh * sh, ow * sw, channels])
-        rows = min(part.shape[1], height - a)
-        cols = min(part.shape[2], width - b)
-        part = part[:, :rows, :cols, :]
-        part = tf.pad(part, [[0, 0], [a, height - a - rows],
-                             [b, width - b - cols], [0, 0]])
-        total = part if total is None else total + part
-    return total[:, top:top + x.shape[1], left:left + x.shape[2], :]
+    wide = channels * multiplier
+    if sh > 1 or sw > 1:  # zeros between the positions taps read
+        dy = tf.reshape(dy, [-1, oh, 1, ow, 1, wide])
+        dy = tf.pad(dy, [[0, 0], [0, 0], [0, sh - 1], [0, 0], [0, sw - 1],
+                         [0, 0]])
+        dy = tf.reshape(dy, [-1, oh * sh, ow * sw, wide])
+        dy = dy[:, :(oh - 1) * sh + 1, :(ow - 1) * sw + 1, :]
+    rows = (oh - 1) * sh + 1
+    cols = (ow - 1) * sw + 1
+    dy = tf.pad(dy, [[0, 0], [kh - 1, height - rows], [kw - 1, width - cols],
+                     [0, 0]])
+    flipped = tf.reshape(tf.gather(tf.gather(kernel, list(range(kh - 1, -1,
+                                                                -1)), axis=0),
+                                   list(range(kw - 1, -1, -1)), axis=1),
+                         [kh, kw, wide, 1])
+    dx = _TF_DEPTHWISE(dy, flipped, [1, 1, 1, 1], "VALID",
+                       data_format="NHWC")
+    if multiplier > 1:
+        dx = tf.reduce_sum(tf.reshape(
+            dx, [-1, height, width, channels, multiplier]), axis=-1)
+    return dx[:, top:top + x.shape[1], left:left + x.shape[2], :]
