@@ -2,7 +2,8 @@
 on the attached devices, against what the simulator counts.
 
 keras.io's Xception-like image classifier (`image_classification_from_
-scratch.py`'s `make_model`), 2 epochs of 2 steps, each run in its own
+scratch.py`'s `make_model`, as `planning_bench.py` builds it, without
+the augmentation layers), 2 epochs of 2 steps, each run in its own
 process; peak resident memory (`ru_maxrss`) at two batch sizes, and its
 growth between them (what the step's activations take, the process's
 fixed part cancelled), beside the simulator's peak for the same growth
@@ -21,6 +22,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from planning_bench import make_model  # noqa: E402  (keras.io's model)
 
 CHILD = r'''
 import resource, sys
@@ -31,10 +33,10 @@ else:
     import flexflow_keras as keras
 import numpy as np
 sys.path.insert(0, sys.argv[4])
-from memory_bench import make_model
+from planning_bench import make_model
 
 keras.utils.set_random_seed(1)
-model = make_model(keras, (size, size, 3))
+model = make_model(keras, (size, size, 3), augment=False)
 options = {} if impl == "keras" else {"search_budget": 0}
 model.compile(optimizer="adam", metrics=["acc"], **options,
               loss=keras.losses.BinaryCrossentropy(from_logits=True))
@@ -45,36 +47,6 @@ model.fit(x, y, batch_size=batch, epochs=2, verbose=0)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print("PEAK", peak)
 '''
-
-
-def make_model(keras, input_shape):
-    """keras.io's `image_classification_from_scratch.py` model."""
-    layers = keras.layers
-    inputs = keras.Input(shape=input_shape)
-    x = layers.Rescaling(1.0 / 255)(inputs)
-    x = layers.Conv2D(128, 3, strides=2, padding="same")(x)
-    x = layers.BatchNormalization()(x)
-    x = layers.Activation("relu")(x)
-    previous = x
-    for size in [256, 512, 728]:
-        x = layers.Activation("relu")(x)
-        x = layers.SeparableConv2D(size, 3, padding="same")(x)
-        x = layers.BatchNormalization()(x)
-        x = layers.Activation("relu")(x)
-        x = layers.SeparableConv2D(size, 3, padding="same")(x)
-        x = layers.BatchNormalization()(x)
-        x = layers.MaxPooling2D(3, strides=2, padding="same")(x)
-        residual = layers.Conv2D(size, 1, strides=2,
-                                 padding="same")(previous)
-        x = layers.add([x, residual])
-        previous = x
-    x = layers.SeparableConv2D(1024, 3, padding="same")(x)
-    x = layers.BatchNormalization()(x)
-    x = layers.Activation("relu")(x)
-    x = layers.GlobalAveragePooling2D()(x)
-    x = layers.Dropout(0.25)(x)
-    outputs = layers.Dense(1, activation=None)(x)
-    return keras.Model(inputs, outputs)
 
 
 def measured_peak(impl: str, size: int, batch: int, devices: int) -> int:
@@ -103,7 +75,8 @@ def simulated_peaks(size: int, batch: int, devices: int) -> tuple:
     from flexflow_keras.optimizer_slots import optimizer_slots
     from flexflow_keras.strategy import Strategy
 
-    graph = build_graph(make_model(keras, (size, size, 3)), batch)
+    graph = build_graph(make_model(keras, (size, size, 3), augment=False),
+                        batch)
     sim = simulator.Simulator(graph, machine_lib.load_machine(None),
                               optimizer_slots=optimizer_slots("adam"))
     one = sim.simulate(Strategy.data_parallel(graph, 1)).peak_memory_bytes
