@@ -223,7 +223,8 @@ def whole_on(mesh: Any, op: Any) -> Any:
     """
 
     def whole(value):
-        if isinstance(value, tf.Tensor) and value.shape.rank is not None:
+        # a scalar (top_k's `k` as a tensor) is whole already
+        if isinstance(value, tf.Tensor) and value.shape.rank:
             return dtensor.relayout(
                 value, dtensor.Layout.replicated(mesh, value.shape.rank)
             )
