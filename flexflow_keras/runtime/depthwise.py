@@ -8,14 +8,18 @@ and computed the whole gradient, so `DepthwiseConv2D` and
 `SeparableConv2D` declared no split: keras.io's
 `image_classification_from_scratch.py` (an Xception-like net of
 SeparableConv2D) needed the whole model's activations on each of 4
-virtual CPU devices, fitted none, and trained on one device.
+virtual CPU devices, fitted none, and trained on one device (it still
+does, for what DTensor holds on CPU devices beside that:
+`planner.DTENSOR_CPU_MEMORY_FACTOR`; at 90x90 the split step is 1.7x as
+fast as the replicated one, `docs/RUNTIME.md`).
 
 Here the forward is TensorFlow's own op, and the gradient is written
 with ops DTensor splits by the batch, one kernel tap at a time (the
 sum TensorFlow's kernels compute, in another order):
 - kernel: for tap (a, b), the input window the tap saw (a strided slice
   of the padded input) times the output gradient, summed over batch and
-  positions: each device sums its rows and DTensor all-reduces;
+  positions: each device sums its rows and DTensor all-reduces; the
+  taps one after another, so one tap's product is alive at a time;
 - input: the transposed convolution as TensorFlow's forward depthwise
   op, which DTensor splits: the output gradient with zeros between its
   positions (strides), padded, through the flipped kernel.
