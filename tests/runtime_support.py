@@ -213,6 +213,38 @@ def assert_same_training(test, ref, model, history_ref, history, rtol=1e-5):
         test.assertLess(relative_error(v, r), rtol, msg=w.path)
 
 
+def fit_plain_and_ours(build, make_strategy, batch, seed, compile_args,
+                       **fit):
+    """`build(module)`'s uncompiled model made with plain Keras and with
+    flexflow_keras from `seed`, compiled with `compile_args` (ours with
+    `make_strategy(graph)` imported), each fitted with `fit` at `batch`.
+
+    Returns (histories, models, messages): the first two keyed "plain"
+    and "ours", the last the messages of the warnings ours raised."""
+    import tempfile
+    import warnings
+
+    import flexflow_keras as fk
+    from flexflow_keras.strategy_files import save_strategy
+
+    histories, models = {}, {}
+    with tempfile.TemporaryDirectory() as folder:
+        for name, mod in (("plain", keras), ("ours", fk)):
+            keras.utils.set_random_seed(seed)
+            model = build(mod)
+            options = {}
+            if mod is fk:
+                options["import_strategy"] = os.path.join(folder, "s.txt")
+                save_strategy(make_strategy(build_graph(model, batch)),
+                              options["import_strategy"])
+            model.compile(**compile_args, **options)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                histories[name] = model.fit(batch_size=batch, **fit).history
+            models[name] = model
+    return histories, models, [str(w.message) for w in caught]
+
+
 def assert_same_fits(test, histories, models, rtol=1e-5):
     """`histories` (History.history dicts) and `models`, each keyed
     "plain" and "ours": every logged value and weight equal within

@@ -10,21 +10,16 @@ strategy over 4 virtual CPUs: it trained on one device.
 
 import itertools
 import os
-import tempfile
 import unittest
-import warnings
 
-import keras
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-import flexflow_keras as fk
+import runtime_support as support
 from flexflow_keras import capabilities
-from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.runtime import depthwise, model_step, op_rules
 from flexflow_keras.strategy import Strategy
-from flexflow_keras.strategy_files import save_strategy
 
 
 def assert_close(a, b, rtol=2e-6):
@@ -162,10 +157,7 @@ def build(mod):
     h = mod.layers.GlobalAveragePooling2D()(h)
     h = mod.layers.Dropout(0.25, seed=3)(h)
     outputs = mod.layers.Dense(3, activation="softmax")(h)
-    model = mod.Model(inputs, outputs)
-    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
-    return model
+    return mod.Model(inputs, outputs)
 
 
 class SeparableModelTest(unittest.TestCase):
@@ -173,26 +165,12 @@ class SeparableModelTest(unittest.TestCase):
         rng = np.random.default_rng(2)
         x = rng.integers(0, 256, (ROWS, SIZE, SIZE, 3)).astype("float32")
         y = rng.integers(0, 3, ROWS)
-        histories, models = {}, {}
-        with tempfile.TemporaryDirectory() as folder:
-            for name, mod in (("plain", keras), ("ours", fk)):
-                keras.utils.set_random_seed(11)
-                model = build(mod)
-                if mod is fk:
-                    path = os.path.join(folder, "strategy.txt")
-                    save_strategy(Strategy.data_parallel(
-                        build_graph(model, BATCH), 4), path)
-                    model.compile(
-                        optimizer="adam",
-                        loss="sparse_categorical_crossentropy",
-                        metrics=["accuracy"], import_strategy=path)
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    histories[name] = model.fit(
-                        x, y, batch_size=BATCH, epochs=2, shuffle=False,
-                        validation_split=0.2, verbose=0).history
-                models[name] = model
-        messages = [str(w.message) for w in caught]
+        histories, models, messages = support.fit_plain_and_ours(
+            build, lambda graph: Strategy.data_parallel(graph, 4), BATCH, 11,
+            dict(optimizer="adam", loss="sparse_categorical_crossentropy",
+                 metrics=["accuracy"]),
+            x=x, y=y, epochs=2, shuffle=False, validation_split=0.2,
+            verbose=0)
         self.assertFalse([m for m in messages if "plain Keras" in m
                           or "one device" in m], messages)
         ours = models["ours"]

@@ -20,22 +20,15 @@ Masks, dropout and recurrent dropout, a Bidirectional and a GRU, Adam,
 validation and a partial last batch, together.
 """
 
-import os
-import tempfile
 import unittest
-import warnings
 from unittest import mock
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-import flexflow_keras as fk
 import runtime_support as support
-from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.runtime import model_step, rolled_rnn, step
 from flexflow_keras.strategy import ParallelConfig, Strategy
-from flexflow_keras.strategy_files import save_strategy
 
 ROWS, STEPS, BATCH = 72, 7, 16  # 4 batches of 16 and one of 8
 
@@ -50,11 +43,8 @@ def build(mod, masked=True):
         6, return_sequences=True, **(dropout if masked else {})),
         name="bi")(h)
     h = mod.layers.GRU(5, name="gru")(h)
-    model = mod.Model(ids, mod.layers.Dense(1, activation="sigmoid",
-                                            name="out")(h))
-    model.compile(optimizer="adam", loss="binary_crossentropy",
-                  metrics=["accuracy"])
-    return model
+    return mod.Model(ids, mod.layers.Dense(1, activation="sigmoid",
+                                          name="out")(h))
 
 
 def data(seed):
@@ -76,27 +66,15 @@ class RolledRNNTest(unittest.TestCase):
     def fit_both(self, make_strategy, clashes=0,
                  executor_type=model_step.ModelStepExecutor, masked=True):
         (x, y), validation = data(0), data(1)
-        histories, models = {}, {}
         calls = mock.patch.object(rolled_rnn, "rolled_rnn",
                                   wraps=rolled_rnn.rolled_rnn)
-        with tempfile.TemporaryDirectory() as folder, calls as rolled:
-            for name, mod in (("plain", keras), ("ours", fk)):
-                keras.utils.set_random_seed(3)
-                model = build(mod, masked)
-                if mod is fk:
-                    path = os.path.join(folder, "strategy.txt")
-                    save_strategy(make_strategy(build_graph(model, BATCH)),
-                                  path)
-                    model.compile(optimizer="adam",
-                                  loss="binary_crossentropy",
-                                  metrics=["accuracy"], import_strategy=path)
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    histories[name] = model.fit(
-                        x, y, batch_size=BATCH, epochs=2, shuffle=False,
-                        validation_data=validation, verbose=0).history
-                models[name] = model
-        messages = [str(w.message) for w in caught]
+        with calls as rolled:
+            histories, models, messages = support.fit_plain_and_ours(
+                lambda mod: build(mod, masked), make_strategy, BATCH, 3,
+                dict(optimizer="adam", loss="binary_crossentropy",
+                     metrics=["accuracy"]),
+                x=x, y=y, epochs=2, shuffle=False,
+                validation_data=validation, verbose=0)
         self.assertFalse([m for m in messages if "plain Keras" in m],
                          messages)
         executor = models["ours"].strategy_executor
