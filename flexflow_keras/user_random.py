@@ -58,22 +58,25 @@ def kept(model: Any = None) -> Iterator[None]:
                 variable.assign(value)
 
 
-def global_seed_state() -> Any:
-    """The state variable of Keras's global `SeedGenerator` (what
-    `keras.random.*` without a seed draws from), or None before the
-    first such draw made it."""
-    generator = global_state.get_global_attribute(
+def _keras_generator() -> Any:
+    """Keras's global `SeedGenerator` (what `keras.random.*` without a
+    seed draws from), or None before the first such draw made it."""
+    return global_state.get_global_attribute(
         seed_generator.GLOBAL_SEED_GENERATOR
     )
+
+
+def global_seed_state() -> Any:
+    """The state variable of Keras's global `SeedGenerator`, or None
+    (`_keras_generator`)."""
+    generator = _keras_generator()
     return None if generator is None else generator.state
 
 
 def _save() -> dict[str, Any]:
     eager = context.context()
     op_seeds = getattr(eager, "_rng", None)
-    keras_generator = global_state.get_global_attribute(
-        seed_generator.GLOBAL_SEED_GENERATOR
-    )
+    keras_generator = _keras_generator()
     tf_generator = stateful_random_ops.global_generator
     return {
         "python": random.getstate(),
