@@ -185,9 +185,10 @@ def search(
         sweep: Share of the budget (0..1) the first sweep may use (see
             the module docstring); 0: FlexFlow's plain MCMC.
 
-    A strategy that puts every op on one device is never proposed when
-    there are several: that is plain Keras on one device, which needs no
-    search, and where the simulator finds it faster (virtual CPU devices
+    A strategy that puts every op on one device is never proposed, nor
+    started from (a candidate such as an RNN model's expert placement
+    can be one), when there are several: that is plain Keras on one
+    device, which needs no search, and where the simulator finds it faster (virtual CPU devices
     share the host's cores: no split can speed a step up), the report
     says so (`SearchResult.one_device_ms`).
 
@@ -231,6 +232,8 @@ def search(
     for candidate in candidates:
         candidate.validate(graph, num_devices)
         candidate, _ = tie_shared(graph, candidate)
+        if num_devices > 1 and _DeviceUse(candidate).single:
+            continue  # not a proposal either (`_Stepper.try_config`)
         candidate_ms = _ms(simulator.simulate(candidate))
         if candidate_ms < cur_ms:
             current, cur_ms = candidate, _ms(simulator.start(candidate))
@@ -523,6 +526,11 @@ class _DeviceUse:
         self._add(old, -1)
         self._add(new, 1)
 
+    @property
+    def single(self) -> bool:
+        """Whether every op part is on one device."""
+        return len(self.parts) == 1
+
     def one_device_after(
         self, strategy: Strategy, names: tuple[str, ...], config: Any
     ) -> bool:
@@ -531,7 +539,7 @@ class _DeviceUse:
             return False
         for name in names:
             self.replace(strategy[name], config)
-        single = len(self.parts) == 1
+        single = self.single
         for name in names:
             self.replace(config, strategy[name])
         return single

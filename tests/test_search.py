@@ -131,6 +131,29 @@ class SearchTest(unittest.TestCase):
         self.assertAlmostEqual(result.best_ms, expected)
         result.strategy.validate(self.graph, 4)
 
+    def test_never_trains_on_one_device_of_several(self):
+        # Where one device is fastest (virtual CPU devices sharing the
+        # host's cores), neither a proposal nor a start point (an RNN
+        # model's expert placement can be one) puts every op on it.
+        class OneDeviceFastest(FakeSimulator):
+            def cost(inner, strategy):
+                used = {d for c in strategy.values() for d in c.device_ids}
+                if len(used) == 1:
+                    return FakeResult(0.001)
+                return super().cost(strategy)
+
+        one = Strategy({op.name: ParallelConfig((1,) * op.rank, (2,))
+                        for op in self.graph})
+        for budget in (0, 300):
+            result = self.run_search(
+                budget=budget, simulator=OneDeviceFastest(self.graph),
+                candidates=(one,),
+            )
+            used = {d for c in result.strategy.values()
+                    for d in c.device_ids}
+            self.assertGreater(len(used), 1, budget)
+            self.assertEqual(result.one_device_ms, 0.001)
+
     def test_same_seed_same_result(self):
         a, b = self.run_search(seed=3), self.run_search(seed=3)
         self.assertEqual(a.strategy, b.strategy)
