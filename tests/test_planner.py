@@ -102,10 +102,17 @@ class MakePlanTest(unittest.TestCase):
         # Optimizer state counts in the simulated step (its updates).
         self.assertGreater(adam.step_ms, sgd.step_ms)
 
-    def test_search_candidates_are_the_expert_strategy(self):
+    def test_search_candidates(self):
+        # The expert strategy, then data parallelism over each smaller
+        # count of devices dividing the machine's; none on one mesh.
         graph = _data_parallel_plan(_mlp()).graph
-        (expert,) = planner.search_candidates(graph, 4)
-        expert.validate(graph, 4)
+        expert, *fewer = planner.search_candidates(graph, 8)
+        expert.validate(graph, 8)
+        self.assertEqual(fewer, [Strategy.data_parallel(graph, 2),
+                                 Strategy.data_parallel(graph, 4)])
+        for strategy in fewer:
+            strategy.validate(graph, 8)
+        self.assertEqual(len(planner.search_candidates(graph, 2)), 1)
         self.assertEqual(planner.search_candidates(graph, 4, 4), ())
 
 
