@@ -6,8 +6,8 @@ warmed up, then timed a few times (fewer when runs are long); results
 are cached on disk, so a second compile of the same model measures
 nothing. Two ways, by the op's size:
 
-- A small op (its roofline estimate, whole, under `SMALL_OP_MS`) or a
-  recurrent one (`is_small`) is timed per shard: the shard-shaped input, keyed by (op signature, shard
+- A small op (its roofline estimate, whole, under `SMALL_OP_MS`) is
+  timed per shard: the shard-shaped input, keyed by (op signature, shard
   shapes, dtype, device kind). A parameter-partitioned shard is a clone
   of its layer built from its config with the channel count (`units`,
   `filters`, `output_dim`) divided by the parameter degree.
@@ -43,7 +43,6 @@ import numpy as np
 from flexflow_keras import disk_cache, op_specs, partition
 from flexflow_keras.graph import Op
 from flexflow_keras.machine import DeviceSpec, MachineModel
-from flexflow_keras.op_specs_sequence import recurrent
 from flexflow_keras.strategy import ParallelConfig
 
 MODES = ("analytic", "measured")
@@ -344,20 +343,7 @@ def whole_config(op: Op) -> ParallelConfig:
 
 def is_small(op: Op, spec: DeviceSpec) -> bool:
     """Whether `op` is timed per shard: its whole roofline estimate
-    (forward + backward) is under `SMALL_OP_MS`, or it runs a recurrent
-    loop.
-
-    Why the loop: each of its steps runs a few kernels on one step's
-    rows, so a part's time is mostly per-step overhead, not its share of
-    the FLOPs that scaling a representative assumes. Keras's addition
-    RNN's LSTM(128) over 7 steps, batch 32 (TF 2.21, 2 cores): a quarter
-    batch's part timed 0.94 + 0.79 ms (forward + backward), where the
-    whole's scaled gave 0.39 + 0.35; priced so, data parallelism over 4
-    virtual CPUs simulated 14.6 ms against 18-28 ms measured, and over 2
-    devices 11.5 (measured 11-13), so the search kept 4.
-    """
-    if op.layer is not None and recurrent(op.layer):
-        return True
+    (forward + backward) is under `SMALL_OP_MS`."""
     return sum(analytic_op_ms(op, whole_config(op), spec)) < SMALL_OP_MS
 
 

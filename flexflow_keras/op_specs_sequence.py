@@ -103,12 +103,6 @@ def attention(call: _Call) -> Flops:
     return _spec(fwd, bwd)
 
 
-def recurrent(layer: Any) -> bool:
-    """Whether `layer` runs a recurrent loop: an RNN layer (its `cell`)
-    or a `Bidirectional` wrapper of two (its `forward_layer`)."""
-    return hasattr(layer, "cell") or hasattr(layer, "forward_layer")
-
-
 _RNN_GATES = {"SimpleRNN": 1, "GRU": 3, "LSTM": 4}
 _RNN_ELEMENTWISE = {"SimpleRNN": 2, "GRU": 11, "LSTM": 13}
 RNN_TYPES = tuple(_RNN_GATES)
