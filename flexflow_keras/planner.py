@@ -237,9 +237,9 @@ def search_candidates(
     them can be faster, and the chain seldom gets there, since every op
     must move at once and each one moved alone pays transfers between
     meshes. Keras's addition RNN on 4 virtual CPUs (2 cores): data
-    parallelism over 2 devices simulated 12.9 ms, over 4 16.9 ms (18-28
-    ms measured against 11-13), and a chain of 5,000 iterations from the
-    4 ended at 16.9 ms.
+    parallelism over 2 devices simulated 11.5 ms, over 4 14.6 ms (11-13
+    ms measured against 18-28), and a chain of 5,000 iterations from the
+    4 ended at 14.6 ms.
     """
     from flexflow_keras import experts
 
