@@ -256,11 +256,21 @@ def one_mesh_data_parallel(graph: OpGraph, parts: int) -> Strategy:
 def planning_meshes(parts: int, num_devices: int) -> tuple[MeshSpec, ...]:
     """The meshes a model that runs its own step is searched on: every
     shape over all `num_devices` devices (`mesh_space.mesh_shapes`,
-    host-major), or the 1-D mesh of `parts` devices alone when the batch
-    leaves fewer (`one_mesh_devices`)."""
+    host-major), or the 1-D mesh of `parts` devices when the batch leaves
+    fewer (`one_mesh_devices`); then the 1-D mesh of each smaller count
+    of devices (more than one) that divides those.
+
+    Why the smaller meshes: where devices share compute (virtual CPU
+    devices on a host's cores) a step over fewer of them can be faster,
+    as `planner.search_candidates` gives the other models' search.
+    """
     if parts != num_devices:
-        return (MeshSpec.first((parts,)),)
-    return tuple(MeshSpec.first(s) for s in mesh_shapes(num_devices))
+        meshes = [MeshSpec.first((parts,))]
+    else:
+        meshes = [MeshSpec.first(s) for s in mesh_shapes(num_devices)]
+    meshes += [MeshSpec.first((k,)) for k in range(parts - 1, 1, -1)
+               if parts % k == 0]
+    return tuple(meshes)
 
 
 def is_one_mesh(strategy: Strategy, num_devices: int | None = None) -> bool:

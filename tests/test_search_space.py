@@ -113,6 +113,19 @@ class OneMeshTest(unittest.TestCase):
             self.space.one_mesh_devices(hand_graph(batch=6), 4), 3
         )
 
+    def test_planning_meshes_then_smaller_1d_meshes(self):
+        def shapes(parts, num_devices):
+            return [(m.shape, m.devices)
+                    for m in self.space.planning_meshes(parts, num_devices)]
+
+        self.assertEqual(shapes(4, 4), [((4,), (0, 1, 2, 3)),
+                                        ((2, 2), (0, 1, 2, 3)),
+                                        ((2,), (0, 1))])
+        self.assertEqual(shapes(8, 8)[-2:], [((4,), (0, 1, 2, 3)),
+                                             ((2,), (0, 1))])
+        self.assertEqual(shapes(3, 4), [((3,), (0, 1, 2))])
+        self.assertEqual(shapes(2, 2), [((2,), (0, 1))])
+
     def test_data_parallel_and_random_strategies_are_one_mesh(self):
         strategy = self.space.one_mesh_data_parallel(self.graph, 4)
         self.assertTrue(self.space.is_one_mesh(strategy))
