@@ -12,6 +12,7 @@ from typing import Any
 from flexflow_keras.graph import OpGraph
 from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.optimizer_slots import optimizer_slots
+from flexflow_keras import settings as settings_lib
 from flexflow_keras.settings import Settings
 from flexflow_keras.strategy import Strategy
 
@@ -154,7 +155,10 @@ def make_plan(
         else:
             result = search.search_meshes(
                 graph, sim, num_devices,
-                meshes=search_space.planning_meshes(parts, num_devices),
+                meshes=search_space.planning_meshes(
+                    parts, num_devices,
+                    fewer=settings_lib.dtensor_clients() is None,
+                ),
                 **options,
             )
         plan = Plan(graph, result.strategy, "search", result, machine)

@@ -253,23 +253,28 @@ def one_mesh_data_parallel(graph: OpGraph, parts: int) -> Strategy:
     return mesh_data_parallel(graph, MeshSpec.first((parts,)))
 
 
-def planning_meshes(parts: int, num_devices: int) -> tuple[MeshSpec, ...]:
+def planning_meshes(
+    parts: int, num_devices: int, fewer: bool = True
+) -> tuple[MeshSpec, ...]:
     """The meshes a model that runs its own step is searched on: every
     shape over all `num_devices` devices (`mesh_space.mesh_shapes`,
     host-major), or the 1-D mesh of `parts` devices when the batch leaves
-    fewer (`one_mesh_devices`); then the 1-D mesh of each smaller count
-    of devices (more than one) that divides those.
+    fewer (`one_mesh_devices`); then, with `fewer`, the 1-D mesh of each
+    smaller count of devices (more than one) that divides those.
 
     Why the smaller meshes: where devices share compute (virtual CPU
     devices on a host's cores) a step over fewer of them can be faster,
-    as `planner.search_candidates` gives the other models' search.
+    as `planner.search_candidates` gives the other models' search. Not
+    across DTensor clients (`fewer=False`): each mesh must hold every
+    host's devices (docs/MULTIHOST.md).
     """
     if parts != num_devices:
         meshes = [MeshSpec.first((parts,))]
     else:
         meshes = [MeshSpec.first(s) for s in mesh_shapes(num_devices)]
-    meshes += [MeshSpec.first((k,)) for k in range(parts - 1, 1, -1)
-               if parts % k == 0]
+    if fewer:
+        meshes += [MeshSpec.first((k,)) for k in range(parts - 1, 1, -1)
+                   if parts % k == 0]
     return tuple(meshes)
 
 

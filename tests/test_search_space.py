@@ -125,6 +125,10 @@ class OneMeshTest(unittest.TestCase):
                                              ((2,), (0, 1))])
         self.assertEqual(shapes(3, 4), [((3,), (0, 1, 2))])
         self.assertEqual(shapes(2, 2), [((2,), (0, 1))])
+        # Across DTensor clients every mesh holds all devices.
+        self.assertEqual(
+            [m.shape for m in self.space.planning_meshes(4, 4, fewer=False)],
+            [(4,), (2, 2)])
 
     def test_data_parallel_and_random_strategies_are_one_mesh(self):
         strategy = self.space.one_mesh_data_parallel(self.graph, 4)
