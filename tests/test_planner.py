@@ -102,6 +102,34 @@ class MakePlanTest(unittest.TestCase):
         # Optimizer state counts in the simulated step (its updates).
         self.assertGreater(adam.step_ms, sgd.step_ms)
 
+    def test_one_device_is_planned_without_search_or_measuring(self):
+        # One device holds one strategy (Keras's own step): no op is
+        # timed, nothing searched; an export still writes it.
+        from unittest import mock
+
+        from flexflow_keras import machine as machine_lib
+        from flexflow_keras import simulator
+
+        one = machine_lib.MachineModel(
+            "v100x1", machine_lib._V100, 1, 1,
+            machine_lib.LinkGroup("nvlink", 50.0, 0.002),
+        )
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "one.txt")
+            with mock.patch.object(machine_lib, "load_machine",
+                                   return_value=one), \
+                    mock.patch.object(simulator, "Simulator",
+                                      side_effect=AssertionError("priced")):
+                plan = planner.make_plan(
+                    _mlp(), 64, Settings(search_budget=500,
+                                         export_strategy=path), verbose=0,
+                )
+            self.assertEqual(plan.strategy,
+                             Strategy.data_parallel(plan.graph, 1))
+            self.assertIsNone(plan.search_result)
+            self.assertEqual(load_strategy(path, plan.graph, 1),
+                             plan.strategy)
+
     def test_search_candidates(self):
         # The expert strategy, then data parallelism over each smaller
         # count of devices dividing the machine's; none on one mesh.
