@@ -80,7 +80,6 @@ def make_plan(
     """
     from flexflow_keras import machine as machine_lib
     from flexflow_keras import search, search_space, simulator
-    from flexflow_keras import strategy_files
 
     if verbose is None:
         verbose = settings.search_verbose
@@ -99,12 +98,8 @@ def make_plan(
         # choice depends on. Pricing it timed every op first: Inception-v3
         # (`examples/inception_v3.py --small`) reached its first step
         # 7.6 s after plain Keras did.
-        plan = Plan(graph, Strategy.data_parallel(graph, 1), "data_parallel",
-                    machine=machine)
-        if settings.export_strategy:
-            strategy_files.save_strategy(plan.strategy,
-                                         settings.export_strategy)
-        return plan
+        return _exported(Plan(graph, Strategy.data_parallel(graph, 1),
+                              "data_parallel", machine=machine), settings)
     sim = simulator.Simulator(
         graph, machine,
         optimizer_slots=optimizer_slots(optimizer) if slots is None
@@ -176,13 +171,21 @@ def make_plan(
         plan = Plan(graph, result.strategy, "search", result, machine)
     if plan.source != "import":
         plan = _one_device_if_nothing_fits(model, plan, sim, machine)
-    if settings.export_strategy:
-        strategy_files.save_strategy(plan.strategy, settings.export_strategy)
     return dataclasses.replace(
-        plan,
+        _exported(plan, settings),
         step_ms=sim.simulate(plan.strategy).step_ms,
         per_op_ms=per_op_ms(graph, plan.strategy, sim.cost),
     )
+
+
+def _exported(plan: Plan, settings: Settings) -> Plan:
+    """`plan`, its strategy written to `settings.export_strategy` if
+    that names a file."""
+    from flexflow_keras import strategy_files
+
+    if settings.export_strategy:
+        strategy_files.save_strategy(plan.strategy, settings.export_strategy)
+    return plan
 
 
 # What DTensor on virtual CPU devices holds for a step, against what the
@@ -245,26 +248,14 @@ def search_candidates(
 ) -> tuple[Strategy, ...]:
     """The start points the search weighs against data parallelism: the
     model kind's expert strategy (`experts.py`) and data parallelism over
-    each smaller number of devices that divides the machine's (more than
-    one), except on one mesh, whose space they are not in.
-
-    Why the smaller data parallelism: where devices share compute
-    (virtual CPU devices on a host's cores), a step split over fewer of
-    them can be faster, and the chain seldom gets there, since every op
-    must move at once and each one moved alone pays transfers between
-    meshes. Keras's addition RNN on 4 virtual CPUs (2 cores): data
-    parallelism over 2 devices simulated 11.5 ms, over 4 14.6 ms (11-13
-    ms measured against 18-28), and a chain of 5,000 iterations from the
-    4 ended at 14.6 ms.
-    """
-    from flexflow_keras import experts
+    each of `search_space.fewer_devices` (smallest first), except on one
+    mesh, whose space they are not in."""
+    from flexflow_keras import experts, search_space
 
     if one_mesh_parts is not None:
         return ()
-    fewer = tuple(
-        Strategy.data_parallel(graph, k) for k in range(2, num_devices)
-        if num_devices % k == 0
-    )
+    fewer = tuple(Strategy.data_parallel(graph, k)
+                  for k in reversed(search_space.fewer_devices(num_devices)))
     return (experts.expert_strategy(graph, num_devices), *fewer)
 
 

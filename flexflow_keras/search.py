@@ -188,9 +188,9 @@ def search(
     A strategy that puts every op on one device is never proposed, nor
     started from (a candidate such as an RNN model's expert placement
     can be one), when there are several: that is plain Keras on one
-    device, which needs no search, and where the simulator finds it faster (virtual CPU devices
-    share the host's cores: no split can speed a step up), the report
-    says so (`SearchResult.one_device_ms`).
+    device, which needs no search, and where the simulator finds it
+    faster (virtual CPU devices share the host's cores: no split can
+    speed a step up), the report says so (`SearchResult.one_device_ms`).
 
     Returns:
         A `SearchResult`.
