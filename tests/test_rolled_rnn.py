@@ -126,5 +126,41 @@ class RolledRNNTest(unittest.TestCase):
         self.assertEqual(len(refused), 4, refused)
 
 
+class IMDBSizeTest(unittest.TestCase):
+    def test_imdb_size_data_parallel_over_two(self):
+        """keras.io's IMDB Bidirectional LSTM at its own sizes (20,000 x
+        128 embedding, 200 steps, LSTM(64) twice, batch 32), data
+        parallel over 2 devices, two steps: equal to plain Keras.
+
+        Failed before `tracing.without_memory_rewrites` at its first
+        step: Grappler's memory optimizer turned an AddN of the backward
+        loop into a TemporaryVariable named by frame and iteration, and
+        the second device's variable of that name already existed
+        ("AlreadyExistsError: Resource __per_step_0/.../tmp_var/...").
+        Smaller sizes stay under the optimizer's memory threshold."""
+        def build_imdb(mod):
+            ids = mod.Input((200,), dtype="int32")
+            h = mod.layers.Embedding(20000, 128)(ids)
+            h = mod.layers.Bidirectional(
+                mod.layers.LSTM(64, return_sequences=True))(h)
+            h = mod.layers.Bidirectional(mod.layers.LSTM(64))(h)
+            return mod.Model(
+                ids, mod.layers.Dense(1, activation="sigmoid")(h))
+
+        rng = np.random.default_rng(0)
+        x = rng.integers(0, 20000, (64, 200)).astype("int32")
+        y = rng.integers(0, 2, (64,)).astype("float32")
+        histories, models, messages = support.fit_plain_and_ours(
+            build_imdb, lambda graph: Strategy.data_parallel(graph, 2), 32, 3,
+            dict(optimizer="adam", loss="binary_crossentropy",
+                 metrics=["accuracy"]),
+            x=x, y=y, epochs=1, shuffle=False, verbose=0)
+        self.assertFalse([m for m in messages if "plain Keras" in m],
+                         messages)
+        executor = models["ours"].strategy_executor
+        self.assertTrue(executor.loops.rolled, "fell back to unrolled loops")
+        support.assert_same_fits(self, histories, models)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -61,6 +61,7 @@ from flexflow_keras.graph import Op, OpGraph
 from flexflow_keras.keras_graph import fill_arguments
 from flexflow_keras.runtime import op_rules
 from flexflow_keras.runtime.unroll import unrolled
+from flexflow_keras.runtime.tracing import without_memory_rewrites
 from flexflow_keras.runtime.variables import attributes_set
 from flexflow_keras.runtime.variables import layer_constants
 from flexflow_keras.runtime.variables import replicate
@@ -285,8 +286,9 @@ def _forward_backward(
         else contextlib.nullcontext()
     ):
         concrete = function.get_concrete_function(specs, weights, states)
-        if run:
-            concrete(xs, weights, states)
+        if run:  # as the runtime calls its steps (`tracing.py`)
+            with without_memory_rewrites():
+                concrete(xs, weights, states)
     return _op_types(concrete.graph.as_graph_def())
 
 
