@@ -33,10 +33,10 @@ from flexflow_keras.strategy import ParallelConfig, Strategy
 ROWS, STEPS, BATCH = 72, 7, 16  # 4 batches of 16 and one of 8
 
 
-def build(mod, masked=True):
+def build(mod, masked=True, steps=STEPS):
     """`masked=False`: no mask, no dropout, as in keras.io's IMDB script
     (a mask makes the model run its own step, on one mesh)."""
-    ids = mod.Input((STEPS,), dtype="int32", name="ids")
+    ids = mod.Input((steps,), dtype="int32", name="ids")
     h = mod.layers.Embedding(20, 8, mask_zero=masked, name="emb")(ids)
     dropout = dict(dropout=0.2, recurrent_dropout=0.1, seed=5)
     h = mod.layers.Bidirectional(mod.layers.LSTM(
@@ -47,11 +47,11 @@ def build(mod, masked=True):
                                           name="out")(h))
 
 
-def data(seed):
+def data(seed, steps=STEPS):
     rng = np.random.default_rng(seed)
-    ids = rng.integers(1, 20, (ROWS, STEPS)).astype("int32")
-    lengths = rng.integers(2, STEPS + 1, ROWS)
-    ids[np.arange(STEPS)[None, :] >= lengths[:, None]] = 0
+    ids = rng.integers(1, 20, (ROWS, steps)).astype("int32")
+    lengths = rng.integers(2, steps + 1, ROWS)
+    ids[np.arange(steps)[None, :] >= lengths[:, None]] = 0
     return ids, (ids[:, 0] > 10).astype("float32")
 
 
@@ -64,13 +64,15 @@ def dense_on_one_device(graph):
 
 class RolledRNNTest(unittest.TestCase):
     def fit_both(self, make_strategy, clashes=0,
-                 executor_type=model_step.ModelStepExecutor, masked=True):
-        (x, y), validation = data(0), data(1)
+                 executor_type=model_step.ModelStepExecutor, masked=True,
+                 steps=STEPS):
+        (x, y), validation = data(0, steps), data(1, steps)
         calls = mock.patch.object(rolled_rnn, "rolled_rnn",
                                   wraps=rolled_rnn.rolled_rnn)
         with calls as rolled:
             histories, models, messages = support.fit_plain_and_ours(
-                lambda mod: build(mod, masked), make_strategy, BATCH, 3,
+                lambda mod: build(mod, masked, steps), make_strategy,
+                BATCH, 3,
                 dict(optimizer="adam", loss="binary_crossentropy",
                      metrics=["accuracy"]),
                 x=x, y=y, epochs=2, shuffle=False,
@@ -89,6 +91,18 @@ class RolledRNNTest(unittest.TestCase):
 
     def test_data_parallel(self):
         self.fit_both(lambda graph: Strategy.data_parallel(graph, 4))
+
+    def test_blocks_of_steps(self):
+        """19 steps: loop iterations of 2 steps each and 1 step after
+        the loop (`rolled_rnn._block_size`), forward and backward, with
+        the mask, both dropouts, a Bidirectional and a GRU; and the
+        weights' gradients from all steps at once after the backward
+        loop (`weight_gradients`)."""
+        self.assertEqual(rolled_rnn._block_size(19), 2)
+        self.assertEqual(rolled_rnn._block_size(STEPS), 1)
+        self.assertEqual(rolled_rnn._block_size(200), 8)
+        self.fit_both(lambda graph: Strategy.data_parallel(graph, 4),
+                      steps=19)
 
     def test_dense_on_one_device(self):
         self.fit_both(dense_on_one_device)
