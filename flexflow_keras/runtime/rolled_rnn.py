@@ -18,7 +18,7 @@ rounding). Each loop iteration runs a block of up to 8 steps
 
 Measured on keras.io's IMDB Bidirectional LSTM (200 steps, batch 32),
 data parallel over 2 virtual CPUs, steady step time and first step, two
-runs each (`/tmp` script of stop 32, in its note): one step an
+runs each (`bench/rnn_loop_bench.py`'s model): one step an
 iteration, weights' gradients in the loop: 505-613 ms, 3.6-4.6 s; blocks
 of 8, in the loop: 390-407 ms, 8.7-9.0 s; blocks of 8, after the loop:
 268-279 ms, 8.6-8.7 s; one step an iteration, after the loop: 689-728
