@@ -407,8 +407,9 @@ def rolled_rnn(step_function: Any, inputs: Any, initial_states: Any,
             Why: summed in the backward loop, each step's gradient of a
             weight is reduced over the batch's devices where it is
             computed, 200 times in a 200-step sequence: on 2 virtual
-            CPUs, keras.io's IMDB Bidirectional LSTM ran 0.74 s a step
-            so, against 0.22 s with no weight gradient at all. A cell's
+            CPUs, keras.io's IMDB Bidirectional LSTM ran 390-407 ms a
+            step so, against 268-279 ms this way (blocks of 8, the
+            module docstring's runs). A cell's
             rows are independent (Keras's cells: a matmul, gates, their
             dropout masks per row), so the sum over rows and steps is
             the gradient of one call over them all, reduced once."""
