@@ -24,6 +24,7 @@ import unittest
 from unittest import mock
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import runtime_support as support
@@ -140,6 +141,7 @@ class RolledRNNTest(unittest.TestCase):
         self.assertEqual(len(refused), 4, refused)
 
 
+@pytest.mark.slow  # `tests/test_tracing.py` checks the option, fast
 class IMDBSizeTest(unittest.TestCase):
     def test_imdb_size_data_parallel_over_two(self):
         """keras.io's IMDB Bidirectional LSTM at its own sizes (20,000 x
