@@ -199,7 +199,7 @@ def tie_shared(
 # -- one mesh ---------------------------------------------------------------
 #
 # A model that runs its own training step (a `train_step` or
-# `compute_loss` override, `add_loss`, regularizers, masks, mixed
+# `compute_loss` override, `add_loss`, activity regularizers, masks, mixed
 # precision, any Keras optimizer) runs it as one DTensor function, and
 # DTensor runs such a function on one device mesh. That mesh may have
 # several axes (`mesh_space`: the search chooses its shape); the 1-D

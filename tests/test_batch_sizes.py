@@ -9,7 +9,8 @@ dims taking the devices left over; nothing raises, nothing is padded.
 strategy on the 4 virtual CPU devices at batches 50, 30, 7, 1 and with a
 partial last batch, and compares with plain Keras from the same weights
 (losses and weights within 1e-5 relative). A Dense model keeps the whole
-SOAP space; one with a kernel regularizer runs its own step on one mesh.
+SOAP space; one with an activity regularizer (a loss added by the layer's
+call) runs its own step on one mesh.
 """
 
 import os
@@ -202,7 +203,7 @@ def _dense_model(mod):
 def _regularized_model(mod):
     inputs = mod.Input((8,))
     h = mod.layers.Dense(16, activation="relu",
-                         kernel_regularizer="l2")(inputs)
+                         activity_regularizer="l2")(inputs)
     model = mod.Model(inputs, mod.layers.Dense(4)(h))
     model.compile(optimizer="adam", loss="mse", metrics=["mae"])
     return model
@@ -308,7 +309,8 @@ class BatchSizeTrainingTest(unittest.TestCase):
     def test_dense_model(self):
         self._cases("dense")
 
-    def test_model_with_a_regularizer_runs_its_step_on_one_mesh(self):
+    def test_model_with_an_activity_regularizer_runs_its_step_on_one_mesh(
+            self):
         from flexflow_keras.runtime import model_step
 
         ours = train_both(self, "regularized", 50, 100)

@@ -268,7 +268,7 @@ class OwnStepPlanningTest(unittest.TestCase):
 
         inputs = keras.Input((8,))
         outputs = layers.Dense(
-            4, kernel_regularizer=keras.regularizers.L2(0.1), name="reg"
+            4, activity_regularizer=keras.regularizers.L2(0.1), name="reg"
         )(layers.Dense(16)(inputs))
         model = Model(inputs, outputs)
         x, y = data()
@@ -287,7 +287,7 @@ class OwnStepPlanningTest(unittest.TestCase):
 
         inputs = keras.Input((8,))
         outputs = layers.Dense(
-            4, kernel_regularizer="l2", name="reg"
+            4, activity_regularizer="l2", name="reg"
         )(layers.Dense(16, name="hidden")(inputs))
         model = Model(inputs, outputs)
         graph = flexflow_keras.keras_graph.build_graph(model, 16)
@@ -303,7 +303,7 @@ class OwnStepPlanningTest(unittest.TestCase):
                                       search_budget=20)
         text = " ".join(caught)
         self.assertIn("places ops on several device meshes", text)
-        self.assertIn("layer 'reg' has kernel_regularizer", text)
+        self.assertIn("layer 'reg' has activity_regularizer", text)
         self.assertTrue(is_one_mesh(model.strategy))
 
     def test_custom_layers_plan_one_mesh(self):

@@ -44,7 +44,7 @@ def _train(mod, own_step=False, strategy_path=None):
     y = np.random.random((64, 1)).astype("float32")
     inputs = mod.Input((8,))
     h = mod.layers.Dense(
-        8, kernel_regularizer="l2" if own_step else None
+        8, activity_regularizer="l2" if own_step else None
     )(inputs)
     model = mod.Model(inputs, mod.layers.Dense(1)(h))
     options = {}

@@ -8,10 +8,20 @@ the loss between them; see `layouts.py` for why.
 Metrics and the loss tracker are updated by Keras's own code in a plain
 `tf.function` on the gathered outputs, so `compile(metrics=...)` behaves
 as in Keras.
+
+Weight regularizers (`kernel_regularizer=...`: Keras keeps them on the
+variables) are counted as Keras's `compute_loss` counts them: each
+segment's forward returns the penalty of its trainable weights, taken
+before the step's updates, which the loss adds to the compiled loss (in
+training and in evaluation, as Keras's `test_step` does); each backward
+adds the penalty's gradient to its weights' own (`_penalty`). A
+penalty depends on one weight only, so it is computed where the weight
+lives.
 """
 
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
@@ -64,8 +74,10 @@ def _batch_relaxed(python_function):
     traced = set()
 
     def spec(value):
-        if isinstance(value, (tf.Tensor, np.ndarray)) and value.ndim:
+        if isinstance(value, (tf.Tensor, np.ndarray)):
             value = tf.convert_to_tensor(value)
+            if not value.shape.rank:  # a scalar (the weights' penalty)
+                return tf.TensorSpec([], value.dtype)
             return tf.TensorSpec([None] + value.shape[1:], value.dtype)
         return value
 
@@ -98,6 +110,18 @@ def single_device(strategy: Any, device_names: tuple) -> str | None:
 class OwnStepNeeded(Exception):
     """Raised while a step is traced: a layer adds a loss (`add_loss`),
     which only the model's own step (`model_step.py`) counts."""
+
+
+# `values` key of the weights' regularization penalty (`_forward_all`).
+_PENALTY = "#penalty"
+
+
+def _with_penalty(loss: Any, penalty: Any) -> Any:
+    """The compiled loss plus the weights' penalty, as Keras's
+    `compute_loss` sums them."""
+    if penalty is None or loss is None:
+        return loss
+    return loss + tf.cast(penalty, loss.dtype)
 
 
 def _logits_name(output: str) -> str:
@@ -302,14 +326,17 @@ class Executor:
             value = tf.cast(value, dvar.dtype)
             dvar.assign(dtensor.relayout(value, self.store.layout(var)))
 
-    def _seg_dvars(self, seg):
+    def _seg_variables(self, seg) -> list:
+        """`seg`'s trainable Keras variables, in the model's order."""
         seen = {}
         for plan in seg.ops:
             for v in layer_variables(plan.op.layer)[0]:
                 if v.trainable:
                     seen[id(v)] = v
-        ordered = [v for v in self.trainable if id(v) in seen]
-        return [self.store.dvariable(v) for v in ordered]
+        return [v for v in self.trainable if id(v) in seen]
+
+    def _seg_dvars(self, seg):
+        return [self.store.dvariable(v) for v in self._seg_variables(seg)]
 
     def _fn(self, kind, *key):
         full = (kind,) + key
@@ -320,6 +347,30 @@ class Executor:
             )
         return self._fns[full]
 
+    def _seg_regularized(self, seg) -> list[tuple[Any, Any]]:
+        """(Keras variable, DVariable) of `seg`'s trainable weights that
+        carry a regularizer, in the model's order."""
+        return [
+            (v, dvar) for v, dvar in zip(self._seg_variables(seg),
+                                         self._seg_dvars(seg))
+            if getattr(v, "regularizer", None) is not None
+        ]
+
+    def _penalty(self, seg) -> Any:
+        """The regularizers' penalty of `seg`'s weights (a replicated
+        scalar on its mesh), as Keras's `compute_loss` adds it
+        (`_aggregate_additional_loss`: cast to floatx, summed); None
+        when no weight of `seg` has a regularizer."""
+        terms = []
+        for variable, dvar in self._seg_regularized(seg):
+            term = variable.regularizer(dvar)
+            if not term.dtype.is_floating:
+                term = tf.cast(term, keras.config.floatx())
+            terms.append(tf.reduce_sum(term))
+        if not terms:
+            return None
+        return dtensor.relayout(tf.add_n(terms), replicated(seg.mesh, 0))
+
     def _make_forward(self, index, training, sharded, batch):
         seg = self.segments[index]
 
@@ -327,12 +378,14 @@ class Executor:
         def forward(inputs):
             values = dict(zip(seg.inputs, inputs))
             self._run_segment(seg, values, training, sharded)
-            return [
+            outputs = [
                 dtensor.relayout(
                     values[t], replicated(seg.mesh, values[t].shape.rank)
                 )
                 for t in self._segment_outputs(index, values)
             ]
+            penalty = self._penalty(seg)
+            return outputs if penalty is None else outputs + [penalty]
 
         return forward
 
@@ -349,6 +402,11 @@ class Executor:
                 updates = self._run_segment(seg, values, True, sharded)
                 outs = [values[t]
                         for t in self._segment_outputs(index, values)]
+                penalty = self._penalty(seg)
+            out_grads = list(out_grads)
+            if penalty is not None:  # d(loss)/d(penalty) = 1
+                outs.append(penalty)
+                out_grads.append(tf.ones_like(penalty))
             grads = tape.gradient(
                 outs, floats + dvars, output_gradients=out_grads
             )
@@ -370,14 +428,16 @@ class Executor:
         model = self.model
 
         @_batch_relaxed
-        def loss_and_grads(x, y, y_pred_flat, logits, sample_weight):
+        def loss_and_grads(x, y, y_pred_flat, logits, sample_weight,
+                           penalty):
             present = [v for v in logits if v is not None]
             with tf.GradientTape() as tape:
                 tape.watch(y_pred_flat + present)
                 y_pred = self._pack_outputs(y_pred_flat, logits)
                 loss = model._compile_loss(y, y_pred, sample_weight)
             grads = tape.gradient(loss, y_pred_flat + present)
-            logs = self._update_metrics(x, y, y_pred, sample_weight, loss)
+            logs = self._update_metrics(x, y, y_pred, sample_weight,
+                                        _with_penalty(loss, penalty))
             return logs, grads
 
         return loss_and_grads
@@ -386,10 +446,11 @@ class Executor:
         model = self.model
 
         @_batch_relaxed
-        def metrics(x, y, y_pred_flat, logits, sample_weight):
+        def metrics(x, y, y_pred_flat, logits, sample_weight, penalty):
             y_pred = self._pack_outputs(y_pred_flat, logits)
             loss = model._compile_loss(y, y_pred, sample_weight)
-            return self._update_metrics(x, y, y_pred, sample_weight, loss)
+            return self._update_metrics(x, y, y_pred, sample_weight,
+                                        _with_penalty(loss, penalty))
 
         return metrics
 
@@ -426,15 +487,23 @@ class Executor:
         return [tf.convert_to_tensor(v) for v in flat]
 
     def _forward_all(self, flat_x, training, variant):
-        """Runs every segment forward; returns boundary values and inputs."""
+        """Runs every segment forward; returns boundary values and inputs.
+
+        The segments' weight penalties, summed, are `values[_PENALTY]`
+        (absent when no weight has a regularizer)."""
         values = dict(zip(self.graph.inputs, flat_x))
         seg_inputs = []
         for i, seg in enumerate(self.segments):
             ins = tuple(_to_mesh(values[t], seg.mesh) for t in seg.inputs)
             seg_inputs.append(ins)
             outs = self._fn("forward", i, training, *variant)(ins)
-            for t, v in zip(self._returned(i), outs, strict=True):
+            returned = self._returned(i)
+            for t, v in zip(returned, outs[:len(returned)], strict=True):
                 values[t] = _local(v)
+            if len(outs) > len(returned):  # the segment's penalty
+                penalty = _local(outs[-1])
+                values[_PENALTY] = (values[_PENALTY] + penalty
+                                    if _PENALTY in values else penalty)
         return values, seg_inputs
 
     def _hyper(self, mesh):
@@ -473,7 +542,8 @@ class Executor:
         values, seg_inputs = self._forward_all(flat_x, True, variant)
         y_pred = [values[t] for t in self.graph.outputs]
         logits = self._logits_of_outputs(values)
-        logs, dys = self._fn("loss")(x, y, y_pred, logits, sw)
+        logs, dys = self._fn("loss")(x, y, y_pred, logits, sw,
+                                     values.get(_PENALTY))
         grads: dict[str, Any] = {}
         graded = list(self.graph.outputs) + [
             _logits_name(t) for t, v in zip(self.graph.outputs, logits)
@@ -507,7 +577,8 @@ class Executor:
         values = self._predict_values(x)
         y_pred = [values[t] for t in self.graph.outputs]
         logits = self._logits_of_outputs(values)
-        return self._fn("metrics")(x, y, y_pred, logits, sw)
+        return self._fn("metrics")(x, y, y_pred, logits, sw,
+                                   values.get(_PENALTY))
 
     def _predict_values(self, x) -> dict:
         flat_x = self._flat_inputs(x)

@@ -1,7 +1,8 @@
 """Why a model must run its own training step, in words for warnings.
 
 `own_step_reasons`: a step or loss override, losses beyond the compiled
-loss, masks, mixed precision, an optimizer or option only Keras's own
+loss and the weights' regularizers (an activity regularizer adds one
+while the layer is called), masks, mixed precision, an optimizer or option only Keras's own
 `apply` runs, a subclassed model. That step runs as one DTensor function
 on one device mesh (`model_step.py`), so such a model's strategies keep
 every op on one mesh. A model with none of these may also use strategies
@@ -48,12 +49,12 @@ def own_step_reasons(model: Any) -> list[str]:
             )
     for layer in model._flatten_layers(include_self=False):
         name = f"layer '{layer.name}'"
-        regularizers = sorted(
-            attr for attr in vars(layer)
-            if attr.endswith("regularizer") and getattr(layer, attr)
-        )
-        if regularizers:
-            reasons.append(f"{name} has {', '.join(regularizers)}")
+        # A weight's regularizer is the layer-by-layer step's too
+        # (`step.Executor._penalty`); an activity regularizer is a loss
+        # added while the layer is called, which only the model's own
+        # step counts.
+        if getattr(layer, "activity_regularizer", None) is not None:
+            reasons.append(f"{name} has activity_regularizer")
         if getattr(layer, "mask_zero", False) or isinstance(
             layer, keras.layers.Masking
         ):
