@@ -274,6 +274,21 @@ def quiet_native_logs(environ: MutableMapping[str, str] | None = None
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", NATIVE_LOG_LEVEL)
 
 
+# DTensor's switch for its pass that merges independent all-reduces into
+# one (`dtensor_passes.py` chooses its value per process).
+COMBINE_ALL_REDUCES = "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"
+
+
+def combine_all_reduces(default: bool,
+                        environ: MutableMapping[str, str] | None = None
+                        ) -> bool:
+    """Sets DTensor's all-reduce combining to `default` unless the user
+    set it (theirs wins); returns whether combining is on."""
+    env = os.environ if environ is None else environ
+    env.setdefault(COMBINE_ALL_REDUCES, "1" if default else "0")
+    return env[COMBINE_ALL_REDUCES] != "0"
+
+
 def resolve(
     kwargs: Mapping[str, Any] | None = None,
     command_line: Mapping[str, Any] | None = None,

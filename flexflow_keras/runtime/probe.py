@@ -59,7 +59,7 @@ from flexflow_keras import capabilities, disk_cache
 from flexflow_keras.capabilities import Probed
 from flexflow_keras.graph import Op, OpGraph
 from flexflow_keras.keras_graph import fill_arguments
-from flexflow_keras.runtime import op_rules
+from flexflow_keras.runtime import dtensor_passes, op_rules
 from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.tracing import without_memory_rewrites
 from flexflow_keras.runtime.variables import attributes_set
@@ -91,6 +91,7 @@ def probe_graph(
     if not ops or len(device_names) < 2:
         return graph
     cache = _Cache(cache_path or DEFAULT_CACHE_PATH)
+    dtensor_passes.choose_for(graph)  # before DTensor's device exists
     mesh = dtensor.create_mesh([("batch", 2)], devices=list(device_names[:2]))
     found: dict[str, Probed] = {}
     for op in ops:

@@ -26,7 +26,9 @@ from typing import Any
 import keras
 
 from flexflow_keras.model_state import state_of
-from flexflow_keras.runtime import clients, fresh_state, layouts, op_rules
+from flexflow_keras.runtime import (
+    clients, dtensor_passes, fresh_state, layouts, op_rules,
+)
 from flexflow_keras.runtime.model_step import ModelStepExecutor, one_mesh
 from flexflow_keras.runtime.step import Executor, single_device
 
@@ -63,6 +65,7 @@ def make_executor(model: Any, graph: Any, strategy: Any,
     device when the strategy uses one."""
     from flexflow_keras import devices
 
+    dtensor_passes.choose_for(graph)  # before DTensor's device exists
     op_rules.enable()  # before anything is traced on a mesh
     meshes = layouts.MeshCache(device_names, devices.local_device_names())
     plans = layouts.plan_ops(graph, strategy, meshes)
