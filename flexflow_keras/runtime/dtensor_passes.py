@@ -16,8 +16,9 @@ times the graph's size. Measured on 4 virtual CPUs (2026-11-26):
   pass, 23-25 ms without (its all-reduces then run one by one).
 
 DTensor reads the switch once, when it makes its device (the first
-DTensor call of the process): later changes do nothing. So the first
-model the process runs under a strategy decides: a graph of
+DTensor call of the process; with several DTensor clients, at import,
+so the pass stays on there): later changes do nothing. So the first
+model the process runs under a strategy (or probes) decides: a graph of
 `DEEP_GRAPH_OPS` ops or more runs without the pass, a smaller one with
 it. A user's own `DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION` wins.
 """
@@ -36,6 +37,8 @@ def choose_for(graph: Any) -> bool | None:
     or None when DTensor's device exists already (nothing can change)."""
     from tensorflow.dtensor.python import api
 
-    if api._dtensor_singleton is not None:
+    # TensorFlow's module-level device; if a version renames it, the
+    # device is taken to exist (the switch would then change nothing).
+    if getattr(api, "_dtensor_singleton", True) is not None:
         return None
     return settings.combine_all_reduces(len(graph) < DEEP_GRAPH_OPS)

@@ -2,11 +2,12 @@
 
 `own_step_reasons`: a step or loss override, losses beyond the compiled
 loss and the weights' regularizers (an activity regularizer adds one
-while the layer is called), masks, mixed precision, an optimizer or option only Keras's own
-`apply` runs, a subclassed model. That step runs as one DTensor function
-on one device mesh (`model_step.py`), so such a model's strategies keep
-every op on one mesh. A model with none of these may also use strategies
-over several meshes (`step.py`, Keras's default step layer by layer).
+while the layer is called), masks, mixed precision, an optimizer or
+option only Keras's own `apply` runs, a subclassed model. That step runs
+as one DTensor function on one device mesh (`model_step.py`), so such a
+model's strategies keep every op on one mesh. A model with none of these
+may also use strategies over several meshes (`step.py`, Keras's default
+step layer by layer).
 
 (Ops DTensor has no rule for run replicated or are replaced:
 `op_rules.py`. An op found missing only when a step is traced hands the
