@@ -7,9 +7,9 @@ it searches, for every pair of all-reduces, for a path between them
 times the graph's size. Measured on 4 virtual CPUs (2026-11-26):
 
 - ResNet-101 (`examples/resnet101.py --small`, 345 layer calls, data
-  parallelism): the first step took 67-73 s with the pass, 61% of it in
-  `DependsOn` (py-spy), and 46-53 s without it; the example's wall time
-  151.8 s against 51.5 s (`bench/overhead_bench.py`).
+  parallelism): the first step took 66-84 s with the pass (9 runs), 61%
+  of it in `DependsOn` (py-spy), and 29-53 s without it (8 runs); the
+  example's wall time 151.8 s against 51.5 s (`bench/overhead_bench.py`).
 - Inception-v3 (313 layer calls): the first step the same either way
   (32.2 s with, 30.7 s without).
 - The Transformer example (16 layer calls): 17-20 ms a step with the
