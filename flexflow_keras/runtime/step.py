@@ -21,7 +21,6 @@ lives.
 
 from typing import Any
 
-import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
@@ -347,26 +346,18 @@ class Executor:
             )
         return self._fns[full]
 
-    def _seg_regularized(self, seg) -> list[tuple[Any, Any]]:
-        """(Keras variable, DVariable) of `seg`'s trainable weights that
-        carry a regularizer, in the model's order."""
-        return [
-            (v, dvar) for v, dvar in zip(self._seg_variables(seg),
-                                         self._seg_dvars(seg))
+    def _penalty(self, seg) -> Any:
+        """The regularizers' penalty of `seg`'s trainable weights (a
+        replicated scalar on its mesh), each term as Keras's
+        `compute_loss` adds it (the model's own
+        `_aggregate_additional_loss`); None when no weight of `seg` has
+        a regularizer."""
+        terms = [
+            self.model._aggregate_additional_loss(
+                v.regularizer(self.store.dvariable(v)))
+            for v in self._seg_variables(seg)
             if getattr(v, "regularizer", None) is not None
         ]
-
-    def _penalty(self, seg) -> Any:
-        """The regularizers' penalty of `seg`'s weights (a replicated
-        scalar on its mesh), as Keras's `compute_loss` adds it
-        (`_aggregate_additional_loss`: cast to floatx, summed); None
-        when no weight of `seg` has a regularizer."""
-        terms = []
-        for variable, dvar in self._seg_regularized(seg):
-            term = variable.regularizer(dvar)
-            if not term.dtype.is_floating:
-                term = tf.cast(term, keras.config.floatx())
-            terms.append(tf.reduce_sum(term))
         if not terms:
             return None
         return dtensor.relayout(tf.add_n(terms), replicated(seg.mesh, 0))
