@@ -43,6 +43,15 @@ class Writer(keras.callbacks.Callback):
             kernel.assign(kernel * 0.5)
 
 
+class EpochEndWriter(keras.callbacks.Callback):
+    """Halves the output kernel at each epoch's end (between epochs: the
+    next epoch must start from it)."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        kernel = self.model.get_layer("out").kernel
+        kernel.assign(kernel * 0.5)
+
+
 class Empty(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         pass
@@ -72,6 +81,18 @@ def _placed(path):
         "out": ParallelConfig((2, 1), (2, 3)),
     }), path)
     return path
+
+
+def _two_heads(mod):
+    """Two models sharing their first layer (a GAN's discriminator and
+    the combined model, say), each compiled on its own."""
+    inputs = mod.Input((8,), name="x")
+    shared = mod.layers.Dense(16, activation="tanh", name="shared")
+    a = mod.Model(inputs, mod.layers.Dense(4, name="head_a")(shared(inputs)))
+    b = mod.Model(inputs, mod.layers.Dense(2, name="head_b")(shared(inputs)))
+    a.compile(optimizer="adam", loss="mse")
+    b.compile(optimizer="sgd", loss="mse")
+    return a, b
 
 
 class FreshStateTest(unittest.TestCase):
@@ -137,3 +158,78 @@ class FreshStateTest(unittest.TestCase):
         self.assertEqual(counts[0], counts[1])
         # One full copy per epoch end, none per batch.
         self.assertLessEqual(len(counts[0]), 2 * EPOCHS + 2, counts[0])
+
+    def test_a_write_between_epochs_is_trained_from(self):
+        # An epoch's start copies Keras values in only when one was
+        # written since the last copy; this write is such a one.
+        self.fit_both(EpochEndWriter, search_budget=0)
+        import tempfile, os
+
+        with tempfile.TemporaryDirectory() as folder:
+            path = _placed(os.path.join(folder, "s.txt"))
+            ours, _ = self.fit_both(EpochEndWriter, import_strategy=path)
+        self.assertIsInstance(ours.strategy_executor, step.Executor)
+
+    def test_epoch_starts_copy_nothing_in_when_nothing_was_written(self):
+        copied_in = []
+        real = Transfers.copy_in
+
+        def counting(transfers, pairs):
+            copied_in.append(len(pairs))
+            return real(transfers, pairs)
+
+        x, y = _data()
+        model = _build(fk, search_budget=0)
+        with mock.patch.object(Transfers, "copy_in", counting):
+            model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0)
+        self.assertIsInstance(model.strategy_executor,
+                              model_step.ModelStepExecutor)
+        weights = len(model.weights) + len(model.optimizer.variables)
+        # Metric state (reset at each epoch) only: never the weights.
+        self.assertLess(max(copied_in, default=0), weights, copied_in)
+
+    def test_models_sharing_a_layer_see_each_others_training(self):
+        # Each model's executor holds the shared layer's weights; what one
+        # trains reaches the Keras variables at its epoch's end, and the
+        # other must copy it in before its next step.
+        x, y = _data()
+        rng = np.random.default_rng(1)
+        y2 = rng.normal(size=(SAMPLES, 2)).astype("float32")
+        results = []
+        for mod, kw in ((keras, {}), (fk, {})):
+            keras.utils.set_random_seed(5)
+            a, b = _two_heads(mod)
+            for _ in range(2):
+                a.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                      verbose=0)
+                b.fit(x, y2, batch_size=BATCH, epochs=1, shuffle=False,
+                      verbose=0)
+            for _ in range(2):
+                a.train_on_batch(x[:BATCH], y[:BATCH])
+                b.train_on_batch(x[:BATCH], y2[:BATCH])
+            results.append(a.get_weights() + b.get_weights())
+        for expected, got in zip(*results):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+
+    def test_a_write_in_a_users_function_is_trained_from(self):
+        # Writes inside a graph are not seen one by one: a variable once
+        # written there is copied in at every epoch start from then on.
+        import tensorflow as tf
+
+        x, y = _data()
+        finals = []
+        for mod in (keras, fk):
+            keras.utils.set_random_seed(3)
+            model = _build(mod) if mod is keras else _build(
+                mod, search_budget=0)
+            kernel = model.get_layer("out").kernel
+            halve = tf.function(lambda: kernel.assign(kernel * 0.5))
+            for _ in range(2):
+                model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                          verbose=0)
+                halve()
+            model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                      verbose=0)
+            finals.append(model.get_weights())
+        for expected, got in zip(*finals):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)

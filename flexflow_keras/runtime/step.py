@@ -147,6 +147,10 @@ class Executor:
         self.single_device = single_device(strategy, device_names)
         self.updater = None
         self.dirty = False  # DVariables newer than the Keras variables
+        # `fresh_state.writes()` when Keras values and DVariables were
+        # last made equal (made from the Keras values, or copied)
+        self._copied_at = fresh_state.writes()
+        self._watched: list = []
         self.updated = False  # some weights took the running train step
         self._fns: dict[tuple, Any] = {}
         # Recurrent layers run rolled (`rolled_rnn`) until a first run
@@ -182,10 +186,11 @@ class Executor:
         optimizer = getattr(self.model, "optimizer", None)
         eager = {id(getattr(optimizer, name, None))
                  for name in ("iterations", "_learning_rate")}
-        fresh_state.watch(self, self.store.keras_variables() + [
+        self._watched = self.store.keras_variables() + [
             v for v in getattr(optimizer, "variables", ())
             if id(v) not in eager
-        ])
+        ]
+        fresh_state.watch(self, self._watched)
 
     def _check_shared_weights(self) -> None:
         """A shared layer's calls must run in one segment: each segment's
@@ -212,12 +217,16 @@ class Executor:
     # -- sync -------------------------------------------------------------
 
     def sync_in(self) -> None:
-        """Keras values -> DVariables, unless the DVariables are newer
-        (weights and optimizer slots)."""
-        if not self.dirty and self.store is not None:
+        """Keras values -> DVariables, unless the DVariables are newer, or
+        equal (no Keras variable written since the last copy); weights
+        and optimizer slots."""
+        if self.dirty or self.store is None:
+            return
+        if fresh_state.written_since(self._watched, self._copied_at):
             self.store.push()
             if self.updater is not None:
                 self.updater.push()
+            self._copied_at = fresh_state.writes()
 
     def sync_out(self) -> None:
         """DVariables -> Keras values, if training changed them."""
@@ -225,6 +234,7 @@ class Executor:
             self.store.pull()
             self.updater.pull()  # may build the Keras optimizer's slots
             self.dirty = False
+            self._copied_at = fresh_state.writes()
             self._watch()
 
     # -- graph pieces (trace time) ------------------------------------------
