@@ -83,6 +83,18 @@ def _placed(path):
     return path
 
 
+def _counted(method, sizes):
+    """`Transfers.<method>` patched to record each call's pair count in
+    `sizes`."""
+    real = getattr(Transfers, method)
+
+    def counting(transfers, pairs):
+        sizes.append(len(pairs))
+        return real(transfers, pairs)
+
+    return mock.patch.object(Transfers, method, counting)
+
+
 def _two_heads(mod):
     """Two models sharing their first layer (a GAN's discriminator and
     the combined model, say), each compiled on its own."""
@@ -140,18 +152,12 @@ class FreshStateTest(unittest.TestCase):
 
     def test_an_empty_callback_copies_nothing_more(self):
         copies = []
-        real = Transfers.copy_out
-
-        def counting(transfers, pairs):
-            copies.append(len(pairs))
-            return real(transfers, pairs)
-
         x, y = _data()
         counts = []
         for callbacks in ([], [Empty()]):
             model = _build(fk, search_budget=0)
             copies.clear()
-            with mock.patch.object(Transfers, "copy_out", counting):
+            with _counted("copy_out", copies):
                 model.fit(x, y, batch_size=BATCH, epochs=EPOCHS,
                           verbose=0, callbacks=callbacks)
             counts.append(list(copies))
@@ -172,15 +178,9 @@ class FreshStateTest(unittest.TestCase):
 
     def test_epoch_starts_copy_nothing_in_when_nothing_was_written(self):
         copied_in = []
-        real = Transfers.copy_in
-
-        def counting(transfers, pairs):
-            copied_in.append(len(pairs))
-            return real(transfers, pairs)
-
         x, y = _data()
         model = _build(fk, search_budget=0)
-        with mock.patch.object(Transfers, "copy_in", counting):
+        with _counted("copy_in", copied_in):
             model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0)
         self.assertIsInstance(model.strategy_executor,
                               model_step.ModelStepExecutor)
