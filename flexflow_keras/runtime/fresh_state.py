@@ -84,6 +84,23 @@ def written_since(variables: Iterable[Any], count: int) -> bool:
     return any(_LAST_WRITE.get(id(var), -1) > count for var in variables)
 
 
+class LastCopy:
+    """When an executor's values and its Keras variables were last made
+    equal (made from the Keras values, or copied either way): the one
+    rule both executors apply before copying Keras values in."""
+
+    def __init__(self) -> None:
+        self._at = writes()
+
+    def mark(self) -> None:
+        """They are equal now."""
+        self._at = writes()
+
+    def stale(self, variables: Iterable[Any]) -> bool:
+        """Whether any of `variables` was written since the last mark."""
+        return written_since(variables, self._at)
+
+
 def _note_write(var: Any) -> None:
     entry = _OWNERS.get(id(var))
     if entry is None or entry[0]() is not var:

@@ -157,9 +157,9 @@ class ModelStepExecutor:
                 self.mesh.dim_names[0]) == 0
         )
         self.dirty = False  # StepVariables newer than the Keras variables
-        # `fresh_state.writes()` when Keras values and StepVariables were
-        # last made equal (realized from the Keras values, or copied)
-        self._copied_at = fresh_state.writes()
+        # Keras values and StepVariables last made equal (realized from
+        # the Keras values, or copied)
+        self._last_copy = fresh_state.LastCopy()
         self._plans_of: dict[int, list[OpPlan]] = {}
         for plan in plans:
             self._plans_of.setdefault(id(plan.op.layer), []).append(plan)
@@ -275,19 +275,18 @@ class ModelStepExecutor:
         if self.dirty:
             return
         metric_ids = _metric_variable_ids(self.model)
-        if fresh_state.written_since(
-            [var for var, _, _ in self._pairs if id(var) not in metric_ids],
-            self._copied_at,
+        if self._last_copy.stale(
+            var for var, _, _ in self._pairs if id(var) not in metric_ids
         ):
             self._transfers.copy_in(self._pairs)
-            self._copied_at = fresh_state.writes()
+            self._last_copy.mark()
 
     def sync_out(self) -> None:
         """StepVariables -> Keras values, if training changed them."""
         if self.dirty:
             self._transfers.copy_out(self._pairs)
             self.dirty = False
-            self._copied_at = fresh_state.writes()
+            self._last_copy.mark()
 
     def sync_metrics_in(self) -> None:
         """Metric state Keras reset eagerly -> StepVariables."""

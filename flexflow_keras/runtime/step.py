@@ -147,9 +147,9 @@ class Executor:
         self.single_device = single_device(strategy, device_names)
         self.updater = None
         self.dirty = False  # DVariables newer than the Keras variables
-        # `fresh_state.writes()` when Keras values and DVariables were
-        # last made equal (made from the Keras values, or copied)
-        self._copied_at = fresh_state.writes()
+        # Keras values and DVariables last made equal (made from the
+        # Keras values, or copied)
+        self._last_copy = fresh_state.LastCopy()
         self._watched: list = []
         self.updated = False  # some weights took the running train step
         self._fns: dict[tuple, Any] = {}
@@ -222,11 +222,11 @@ class Executor:
         and optimizer slots."""
         if self.dirty or self.store is None:
             return
-        if fresh_state.written_since(self._watched, self._copied_at):
+        if self._last_copy.stale(self._watched):
             self.store.push()
             if self.updater is not None:
                 self.updater.push()
-            self._copied_at = fresh_state.writes()
+            self._last_copy.mark()
 
     def sync_out(self) -> None:
         """DVariables -> Keras values, if training changed them."""
@@ -234,7 +234,7 @@ class Executor:
             self.store.pull()
             self.updater.pull()  # may build the Keras optimizer's slots
             self.dirty = False
-            self._copied_at = fresh_state.writes()
+            self._last_copy.mark()
             self._watch()
 
     # -- graph pieces (trace time) ------------------------------------------
