@@ -27,7 +27,7 @@ import keras
 
 from flexflow_keras.model_state import state_of
 from flexflow_keras.runtime import (
-    clients, dtensor_passes, fresh_state, layouts, op_rules,
+    clients, dtensor_passes, fresh_state, input_pipelines, layouts, op_rules,
 )
 from flexflow_keras.runtime.model_step import ModelStepExecutor, one_mesh
 from flexflow_keras.runtime.step import Executor, single_device
@@ -193,6 +193,11 @@ class StrategyTrainer:
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1,
             verbose="auto", callbacks=None, **kwargs):
+        with input_pipelines.untuned():
+            return self._fit(x, y, batch_size, epochs, verbose, callbacks,
+                             **kwargs)
+
+    def _fit(self, x, y, batch_size, epochs, verbose, callbacks, **kwargs):
         executor = self.strategy_executor
         if executor is None:
             return super().fit(x, y, batch_size, epochs, verbose, callbacks,
@@ -261,7 +266,9 @@ def _after_sync(name: str, sync: str) -> Any:
 
     def method(self, *args, **kwargs):
         getattr(self, sync)()
-        return getattr(super(StrategyTrainer, self), name)(*args, **kwargs)
+        with input_pipelines.untuned():
+            return getattr(super(StrategyTrainer, self), name)(*args,
+                                                               **kwargs)
 
     method.__name__ = name
     method.__qualname__ = f"StrategyTrainer.{name}"
