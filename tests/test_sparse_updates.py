@@ -7,7 +7,10 @@ transformer: a StringLookup's int64 ids into an Embedding, Adagrad):
 - with the table split on its columns (`capabilities.for_optimizer`
   keeps such tables whole, and an imported strategy that splits one is
   searched again, with a warning);
-- with int64 ids, even under data parallelism (`op_rules.int32_indices`).
+- with int64 ids, even under data parallelism (`op_rules.int32_indices`),
+  also where the Embedding is called inside a layer of the user's
+  (keras.io's English-Spanish Transformer: a positional embedding of
+  int64 token ids, RMSprop).
 """
 
 import os
@@ -41,13 +44,42 @@ def build(mod, optimizer):
     return model
 
 
+def build_positional(mod, optimizer):
+    """keras.io's `PositionalEmbedding` (token and position Embeddings
+    inside a layer of the script's own) on int64 ids."""
+
+    class PositionalEmbedding(mod.layers.Layer):
+        def __init__(self, length, vocab, dim, **kwargs):
+            super().__init__(**kwargs)
+            self.tokens = mod.layers.Embedding(vocab, dim)
+            self.positions = mod.layers.Embedding(length, dim)
+
+        def call(self, inputs):
+            length = mod.ops.shape(inputs)[-1]
+            positions = mod.ops.arange(0, length, 1)
+            return self.tokens(inputs) + self.positions(positions)
+
+    ids = mod.Input((4,), dtype="int64", name="ids")
+    h = PositionalEmbedding(4, len(WORDS), 8, name="emb")(ids)
+    h = mod.layers.Flatten(name="flat")(h)
+    model = mod.Model(ids, mod.layers.Dense(1, name="out")(h))
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+def positional_data():
+    rng = np.random.default_rng(0)
+    return (rng.integers(0, len(WORDS), (ROWS, 4)),
+            rng.random((ROWS, 1)).astype("float32"))
+
+
 def data():
     rng = np.random.default_rng(0)
     x = tf.constant(rng.choice(WORDS, (ROWS, 4)))
     return x, rng.random((ROWS, 1)).astype("float32")
 
 
-def fit_both(test, optimizer, strategy=None):
+def fit_both(test, optimizer, strategy=None, build=build, data=data):
     x, y = data()
     histories, models = {}, {}
     with tempfile.TemporaryDirectory() as folder:
@@ -102,6 +134,12 @@ class SparseUpdatesTest(unittest.TestCase):
         for name in ("adagrad", "rmsprop"):
             with self.subTest(name):
                 fit_both(self, name)
+
+    def test_int64_ids_into_an_embedding_inside_a_users_layer(self):
+        for name in ("adagrad", "rmsprop"):
+            with self.subTest(name):
+                fit_both(self, name, build=build_positional,
+                         data=positional_data)
 
     def test_imported_table_split_is_searched_again(self):
         ours, messages = fit_both(self, "adagrad", split_table)

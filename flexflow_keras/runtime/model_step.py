@@ -362,6 +362,10 @@ class ModelStepExecutor:
         if self._hosting and id(operation) in self._host.layers:
             # Computed on the host before the step.
             return self._host.result(operation, args, kwargs)
+        # Every Embedding's call, an op's or one inside a layer of the
+        # user's (keras.io's positional embedding), or RMSprop's sparse
+        # update of its table fails.
+        args, kwargs = op_rules.int32_indices(operation, args, kwargs)
         plans = self._plans_of.get(id(operation))
         if _TAPES.depth > 1 and self._splits_beyond_batch:
             raise SecondOrderSplits(
@@ -406,7 +410,6 @@ class ModelStepExecutor:
             )
 
         args, kwargs = tree.map_structure(relaid, (args, kwargs))
-        args, kwargs = op_rules.int32_indices(operation, args, kwargs)
         inner = any(op_rules.splits_inner_dims(layout)
                     for layout in layouts.values())
         with self.loops.running(operation), self._inside(), \
