@@ -239,6 +239,36 @@ def _own_function(model: Any) -> Any:
     return None
 
 
+def _unknown_dims(tensors: Any) -> bool:
+    """Whether any of `tensors` has an unknown dim beyond the batch."""
+    return any(None in tuple(t.shape)[1:] for t in tensors)
+
+
+def _on_call_shapes(inner: Any, in_kts: list) -> Any:
+    """A nested model's `Function`, run again on inputs shaped as this
+    call's where its own inputs leave dims unknown (an encoder built on
+    `keras.Input((None,))`, called on the traced, fully known shapes):
+    its layers' calls then carry the shapes the search needs. `inner`
+    itself otherwise, or if its `call` cannot run on them."""
+    if not _unknown_dims(inner.inputs) or _unknown_dims(in_kts):
+        return inner
+    import keras
+    from keras import tree
+    from keras.src.ops.function import Function
+
+    inputs = [
+        keras.Input(batch_shape=(None,) + tuple(kt.shape)[1:],
+                    dtype=own.dtype, sparse=own.sparse, name=own.name)
+        for own, kt in zip(inner.inputs, in_kts)
+    ]
+    structured = tree.pack_sequence_as(inner._inputs_struct, inputs)
+    try:
+        outputs = inner.call(structured)
+    except Exception:  # noqa: BLE001 - keep the model's own graph
+        return inner
+    return Function(structured, outputs, name=inner.name)
+
+
 def _call_index(node: Any) -> int:
     """Position of a call among all calls of its layer (user order)."""
     return node.operation._inbound_nodes.index(node)
@@ -335,6 +365,7 @@ class _GraphBuilder:
         inner = _as_function(operation)
         in_kts = node.arguments.keras_tensors
         if inner is not None:
+            inner = _on_call_shapes(inner, in_kts)
             bindings = {
                 id(inner_kt): self.names[id(kt)]
                 for inner_kt, kt in zip(inner.inputs, in_kts)
