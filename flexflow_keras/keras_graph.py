@@ -151,6 +151,7 @@ def trace_call(model: Any, inputs: Any) -> str | None:
         inputs: `keras.Input`s (any structure) shaped like `fit`'s data.
     """
     import inspect
+    import warnings
 
     import keras
 
@@ -162,7 +163,13 @@ def trace_call(model: Any, inputs: Any) -> str | None:
             if "training" in inspect.signature(model.call).parameters:
                 kwargs["training"] = False
             outputs = model.call(inputs, **kwargs)
-            function = keras.Model(inputs, outputs, name=model.name)
+            with warnings.catch_warnings():
+                # The trace's own inputs are unnamed; Keras warns when a
+                # dict of them (a model fed {"source": ..., ...}) does
+                # not match their names, which is not the user's doing.
+                warnings.filterwarnings(
+                    "ignore", message="When providing `inputs` as a dict")
+                function = keras.Model(inputs, outputs, name=model.name)
     except Exception as error:  # noqa: BLE001 - any failure: no graph
         return f"{type(error).__name__}: {error}"
     # Kept off Keras's attribute tracking (`model_state`): the trace must
