@@ -303,7 +303,10 @@ def int32_indices(operation: Any, args: tuple, kwargs: dict) -> tuple:
     beside the int64 indices, which DTensor's MLIR import refuses ("input
     shape[0] expected type int64 != int32 ... adagrad/cond/ScatterNd";
     measured, TF 2.21, even under data parallelism). A StringLookup's
-    result is int64: keras.io's movielens transformer met it.
+    result is int64: keras.io's movielens transformer met it. Applied to
+    every Embedding call while a step is traced, an op's or one inside a
+    layer of the user's (keras.io's English-Spanish Transformer: token
+    ids into a positional embedding, RMSprop).
     """
     if type(operation).__name__ != "Embedding" or not args \
             or getattr(operation, "input_dim", 2**31) >= 2**31:
