@@ -276,6 +276,29 @@ def _on_call_shapes(inner: Any, in_kts: list) -> Any:
     return Function(structured, outputs, name=inner.name)
 
 
+def _specs_on(node: Any, in_kts: list, input_shapes: tuple) -> Any:
+    """The output shapes of `node`'s call on inputs of `input_shapes`
+    (all static), by the layer's `compute_output_spec`; None if it
+    fails or leaves a dim unknown."""
+    from keras import tree
+    from keras.src.backend.common.keras_tensor import KerasTensor
+
+    known = {
+        id(kt): KerasTensor(shape, dtype=kt.dtype, sparse=kt.sparse)
+        for kt, shape in zip(in_kts, input_shapes)
+    }
+    try:
+        args, kwargs = node.arguments.fill_in(known)
+        specs = tree.flatten(
+            node.operation.compute_output_spec(*args, **kwargs))
+    except Exception:  # noqa: BLE001 - the unknown dim is reported
+        return None
+    shapes = [tuple(spec.shape) for spec in specs]
+    if any(None in shape for shape in shapes):
+        return None
+    return tuple(tuple(int(d) for d in shape) for shape in shapes)
+
+
 def _call_index(node: Any) -> int:
     """Position of a call among all calls of its layer (user order)."""
     return node.operation._inbound_nodes.index(node)
@@ -329,6 +352,21 @@ class _GraphBuilder:
                 "(only the batch dim may be None)."
             )
         return tuple(int(d) for d in shape)
+
+    def output_shapes(self, name: str, node: Any, in_kts: list,
+                      input_shapes: tuple) -> tuple[tuple[int, ...], ...]:
+        """The static shapes of `node`'s outputs. Where Keras left a dim
+        unknown beyond the batch (keras.io's EANet: `ops.reshape(x, (B,
+        -1, d))` with `B = ops.shape(x)[0]`), the layer's output spec is
+        computed again on inputs whose batch dim is the graph's: then
+        TensorFlow's shape inference knows the `-1`."""
+        try:
+            return tuple(self.static_shape(kt, name) for kt in node.outputs)
+        except ValueError as unknown:
+            shapes = _specs_on(node, in_kts, input_shapes)
+            if shapes is None or len(shapes) != len(node.outputs):
+                raise unknown
+            return shapes
 
     def walk(
         self, function: Any, prefix: str, bindings: dict[int, str]
@@ -387,9 +425,7 @@ class _GraphBuilder:
         operation = node.operation
         inputs = tuple(self.names[id(kt)] for kt in in_kts)
         input_shapes = tuple(self.tensors[t].shape for t in inputs)
-        output_shapes = tuple(
-            self.static_shape(kt, name) for kt in node.outputs
-        )
+        output_shapes = self.output_shapes(name, node, in_kts, input_shapes)
         outputs = tuple(f"{name}:{i}" for i in range(len(node.outputs)))
         for i, (kt, out) in enumerate(zip(node.outputs, outputs)):
             self.tensors[out] = TensorInfo(
