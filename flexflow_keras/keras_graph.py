@@ -14,6 +14,12 @@ from flexflow_keras.graph import Op, OpGraph, TensorInfo, WeightInfo
 from flexflow_keras.model_state import state_of
 
 
+class UnknownDimension(ValueError):
+    """A tensor of the model's graph whose shape is unknown beyond the
+    batch even on the shapes `fit` feeds (a layer of the user's whose
+    output length is drawn at run time): the search cannot price it."""
+
+
 def build_graph(model: Any, batch_size: int) -> OpGraph:
     """The `OpGraph` of a built Keras model for a global batch size.
 
@@ -345,7 +351,7 @@ class _GraphBuilder:
         if shape and shape[0] is None:
             shape[0] = self.batch_size
         if any(d is None for d in shape):
-            raise ValueError(
+            raise UnknownDimension(
                 f"Tensor of '{where}' has an unknown dimension; the search "
                 "needs static shapes. Received: shape="
                 f"{tuple(kt.shape)}. Give `keras.Input` a full `shape=` "

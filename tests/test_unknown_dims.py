@@ -8,6 +8,9 @@ search needs static shapes"):
 - a layer of the user's reshaping to `(B, -1, d)` with `B` the dynamic
   batch (keras.io's EANet's `PatchExtract`): shaped again with the batch
   known (`keras_graph._specs_on`).
+A length only known at run time (a window drawn each step) trains as
+plain Keras with one warning, as the script would without the package;
+it crashed the script.
 """
 
 import unittest
@@ -83,7 +86,50 @@ def build_patches(mod):
     return model
 
 
+def build_window(mod):
+    """A window of a run-time-drawn length: no static shape at all."""
+
+    class Window(mod.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.seed = keras.random.SeedGenerator(2)
+
+        def call(self, x):
+            stop = keras.ops.cast(
+                keras.random.uniform((), 2, 6.0, seed=self.seed), "int32")
+            return x[:, :stop, :]
+
+    steps = mod.Input((8, 3))
+    h = Window(name="window")(steps)
+    h = mod.layers.Dense(5, name="d")(h)
+    h = mod.layers.GlobalAveragePooling1D()(h)
+    model = mod.Model(steps, mod.layers.Dense(1, name="out")(h))
+    options = {"search_budget": 0} if mod is fk else {}
+    model.compile(optimizer="sgd", loss="mse", **options)
+    return model
+
+
 class UnknownDimsTest(unittest.TestCase):
+    def test_run_time_length_trains_as_plain_keras_with_a_warning(self):
+        rng = np.random.default_rng(0)
+        x = rng.random((ROWS, 8, 3)).astype("float32")
+        y = x.sum(axis=(1, 2))[:, None]
+        losses, caught = [], None
+        for mod in (keras, fk):
+            keras.utils.set_random_seed(1)
+            model = build_window(mod)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                losses.append(model.fit(x, y, batch_size=BATCH, epochs=2,
+                                        shuffle=False, verbose=0)
+                              .history["loss"])
+        plain = [str(w.message) for w in caught
+                 if "trains as plain Keras" in str(w.message)]
+        self.assertEqual(len(plain), 1, plain)
+        self.assertIn("'window' has an unknown dimension", plain[0])
+        np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
+
+
     def test_reshape_to_the_dynamic_batch_is_planned_on_static_shapes(self):
         rng = np.random.default_rng(0)
         x = rng.random((ROWS, 8, 8, 3)).astype("float32")
