@@ -25,6 +25,13 @@ equal to plain Keras:
   mixes each device's id into the seed: other values, measured).
   Consumers take their slice locally; the cost is the draw's redundant
   compute, no communication.
+- `substitutes` also slices tensors whose slice bounds are known only at
+  run time (`x[:, h:h + 8]` with a tensor `h`: Keras's `RandomCrop`) by
+  `plain_slice`: a constant-size `tf.slice`, or gathers of position
+  ranges. DTensor expands such a `StridedSlice` to an empty slice on
+  every device, replicated or split (measured, TF 2.21: the slice's sum
+  0.0 against 1842432.0); keras.io's TokenLearner failed its first step
+  ("input image must be of non-zero size") and trained as plain Keras.
 - `stateless_random(state)`: TensorFlow's stateful random ops
   (`tf.random.uniform/normal/truncated_normal` in a script's own step,
   as in keras.io's GAN examples) are refused by DTensor; while a step is
@@ -52,9 +59,11 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 from keras import tree
 from tensorflow.experimental import dtensor
+from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import stateless_random_ops
 from keras.src.backend.tensorflow import nn as tf_nn
 from keras.src.backend.tensorflow import numpy as tf_numpy
@@ -261,6 +270,94 @@ def _draw_substitutes(mesh: Any) -> list[tuple[Any, str, Any]]:
     return found
 
 
+def _run_time_bound(bound: Any) -> bool:
+    return isinstance(bound, (tf.Tensor, tf.Variable)) and (
+        tf.get_static_value(bound) is None)
+
+
+def _bound(index: Any, dim: Any) -> tf.Tensor:
+    """A Python slice bound as a position in [0, dim] (negative from the
+    end, clamped past either end, as Python and `StridedSlice` read it)."""
+    index = tf.cast(index, tf.int32)
+    return tf.clip_by_value(tf.where(index < 0, index + dim, index), 0, dim)
+
+
+def _static_length(part: slice) -> int | None:
+    """`n` for a slice `start:start + n` (its stop an addition of its
+    start and a constant), else None."""
+    start, stop = part.start, part.stop
+    op = getattr(stop, "op", None)
+    if not isinstance(start, tf.Tensor) or op is None \
+            or op.type not in ("AddV2", "Add"):
+        return None
+    for this, other in (op.inputs, op.inputs[::-1]):
+        if this.name == start.name:
+            value = tf.get_static_value(other)
+            if value is not None and int(value) >= 0:
+                return int(value)
+    return None
+
+
+def plain_slice(tensor: Any, spec: Any) -> Any:
+    """`tensor[spec]` as a `tf.slice` of constant size, or else as
+    gathers of position ranges, when `spec` holds only step-1 slices (and
+    at most one `...`) and some bound is a run-time tensor; None for any
+    other indexing (left to TensorFlow's own). DTensor's rule for `Slice`
+    needs its size constant ("failed to extract constant"; `h + 32 - h`
+    is not, so `_static_length` reads it off the stop)."""
+    spec = spec if isinstance(spec, tuple) else (spec,)
+    rank = tensor.shape.rank
+    plain = all(part is Ellipsis or (
+        isinstance(part, slice) and part.step in (None, 1)) for part in spec)
+    if rank is None or not plain or sum(p is Ellipsis for p in spec) > 1:
+        return None
+    if not any(_run_time_bound(bound) for part in spec
+               if isinstance(part, slice)
+               for bound in (part.start, part.stop)):
+        return None
+    if Ellipsis in spec:
+        at = spec.index(Ellipsis)
+        spec = spec[:at] + (slice(None),) * (rank - len(spec) + 1) + (
+            spec[at + 1:])
+    if len(spec) > rank:
+        return None
+    spec = spec + (slice(None),) * (rank - len(spec))
+    shape = tf.shape(tensor, out_type=tf.int32)
+    bounds = []
+    for dim, part in enumerate(spec):
+        if part.start is None and part.stop is None:
+            # The whole dim: its size where known (with -1 the output
+            # dim is unknown, and DTensor cannot split an unknown dim).
+            known = tensor.shape[dim]
+            bounds.append((0, -1 if known is None else int(known)))
+            continue
+        start = 0 if part.start is None else _bound(part.start, shape[dim])
+        length = _static_length(part)
+        if length is None:
+            stop = shape[dim] if part.stop is None else _bound(
+                part.stop, shape[dim])
+            length = tf.maximum(stop - start, 0)
+        bounds.append((start, length))
+    if all(isinstance(length, int) for _, length in bounds):
+        # A bound past the end fails loudly here (Python would shorten
+        # the slice).
+        return tf.slice(tensor, tf.stack([b for b, _ in bounds]),
+                        [length for _, length in bounds])
+    for dim, (part, (start, length)) in enumerate(zip(spec, bounds)):
+        if part.start is not None or part.stop is not None:
+            tensor = tf.gather(tensor, tf.range(start, start + length),
+                               axis=dim)
+    return tensor
+
+
+def _sliced_plainly(getitem: Any) -> Any:
+    def sliced(tensor, spec):
+        result = plain_slice(tensor, spec)
+        return getitem(tensor, spec) if result is None else result
+
+    return sliced
+
+
 @contextlib.contextmanager
 def substitutes(mesh: Any) -> Iterator[None]:
     """While a DTensor step on `mesh` is traced: Keras ops built from
@@ -281,6 +378,8 @@ def substitutes(mesh: Any) -> Iterator[None]:
         (tf.nn, "separable_conv2d", depthwise.separable_conv2d),
         (tf.math, "top_k", whole_on(mesh, tf.math.top_k)),
         (tf.nn, "top_k", whole_on(mesh, tf.nn.top_k)),
+        (tensor_lib.Tensor, "__getitem__",
+         _sliced_plainly(tensor_lib.Tensor.__getitem__)),
     ]
     saved = [(module, name, getattr(module, name), new)
              for module, name, new in saved]

@@ -70,8 +70,9 @@ DEFAULT_CACHE_PATH = os.path.join(disk_cache.CACHE_DIR, "capabilities.json")
 PROBE_BATCH = 4
 _MAX_SWITCHES = 4  # ops turned replicated before a probe gives up
 # In the cache key: results of earlier probes (which ran layers without
-# their replicated constants or string inputs) are not reused.
-_PROBE_VERSION = "probe2"
+# their replicated constants or string inputs, or before slices with
+# run-time bounds were rewritten: `op_rules.plain_slice`) are not reused.
+_PROBE_VERSION = "probe3"
 _MISSING_RULE = re.compile(r"'tf\.(\w+)' op does not implement")
 
 
