@@ -220,7 +220,7 @@ def needs_trace(model: Any) -> bool:
     function = _own_function(model)
     if function is None:
         return is_subclassed(model)
-    return any(None in tuple(t.shape)[1:] for t in function.inputs)
+    return _unknown_dims(function.inputs)
 
 
 def is_subclassed(model: Any) -> bool:
