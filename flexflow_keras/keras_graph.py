@@ -368,7 +368,7 @@ class _GraphBuilder:
         TensorFlow's shape inference knows the `-1`."""
         try:
             return tuple(self.static_shape(kt, name) for kt in node.outputs)
-        except ValueError as unknown:
+        except UnknownDimension as unknown:
             shapes = _specs_on(node, in_kts, input_shapes)
             if shapes is None or len(shapes) != len(node.outputs):
                 raise unknown

@@ -59,7 +59,6 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 from keras import tree
 from tensorflow.experimental import dtensor
