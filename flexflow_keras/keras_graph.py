@@ -36,7 +36,7 @@ def build_graph(model: Any, batch_size: int) -> OpGraph:
             "`batch_size` must be a positive integer. "
             f"Received: batch_size={batch_size!r}"
         )
-    function = _as_function(model)
+    function = _as_function(model, batch_size)
     if function is None:
         raise ValueError(
             f"Model '{model.name}' has no graph of layers to parallelize: "
@@ -141,7 +141,7 @@ def function_of(model: Any) -> Any:
     return model if function is None else function
 
 
-def trace_call(model: Any, inputs: Any) -> str | None:
+def trace_call(model: Any, inputs: Any, batch_size: int) -> str | None:
     """Gives a model a graph: its `call` run on symbolic inputs (see
     `needs_trace`). Returns None, or why its call cannot be traced.
 
@@ -152,36 +152,82 @@ def trace_call(model: Any, inputs: Any) -> str | None:
     a `call()` (a VAE whose `train_step` calls its encoder and decoder)
     gets the graphs of the functional models it holds, side by side.
 
+    The call is traced on inputs of any batch size first. A call that
+    needs the batch size as a number (keras.io's PatchConvNet repeats a
+    class token `ops.shape(x)[0]` times, which leaves the concatenated
+    tensor's shape unknown) is traced again on inputs of `batch_size`,
+    as Keras itself builds such a model on the first batch; the graph
+    of another batch size is then traced on that size (`_traced_at`).
+
     Args:
         model: A Keras model.
-        inputs: `keras.Input`s (any structure) shaped like `fit`'s data.
+        inputs: `keras.Input`s (any structure) shaped like `fit`'s data,
+            the batch dim None.
+        batch_size: The global batch size fit() feeds first.
     """
+    # Kept off Keras's attribute tracking (`model_state`): a trace must
+    # not become a tracked sublayer (weights, saving) of the model.
+    state = state_of(model)
+    try:
+        state.traced_function = _traced(model, inputs)
+        return None
+    except Exception as error:  # noqa: BLE001 - any failure: no graph
+        failure = f"{type(error).__name__}: {error}"
+    try:
+        function = _traced(model, _with_batch(inputs, batch_size))
+    except Exception:  # noqa: BLE001 - the first failure is reported
+        return failure
+    state.traced_function, state.traced_batch = function, batch_size
+    state.traced_at = {batch_size: function}
+    state.trace_inputs = inputs
+    return None
+
+
+def _traced(model: Any, inputs: Any) -> Any:
+    """A functional model of `model`'s call on `inputs` (raises what the
+    call raises)."""
     import inspect
     import warnings
 
     import keras
 
-    try:
-        if type(model).call is keras.Model.call:
-            function = _inner_models(model)
-        else:
-            kwargs = {}
-            if "training" in inspect.signature(model.call).parameters:
-                kwargs["training"] = False
-            outputs = model.call(inputs, **kwargs)
-            with warnings.catch_warnings():
-                # The trace's own inputs are unnamed; Keras warns when a
-                # dict of them (a model fed {"source": ..., ...}) does
-                # not match their names, which is not the user's doing.
-                warnings.filterwarnings(
-                    "ignore", message="When providing `inputs` as a dict")
-                function = keras.Model(inputs, outputs, name=model.name)
-    except Exception as error:  # noqa: BLE001 - any failure: no graph
-        return f"{type(error).__name__}: {error}"
-    # Kept off Keras's attribute tracking (`model_state`): the trace must
-    # not become a tracked sublayer (weights, saving) of the model.
-    state_of(model).traced_function = function
-    return None
+    if type(model).call is keras.Model.call:
+        return _inner_models(model)
+    kwargs = {}
+    if "training" in inspect.signature(model.call).parameters:
+        kwargs["training"] = False
+    outputs = model.call(inputs, **kwargs)
+    with warnings.catch_warnings():
+        # The trace's own inputs are unnamed; Keras warns when a dict of
+        # them (a model fed {"source": ..., ...}) does not match their
+        # names, which is not the user's doing.
+        warnings.filterwarnings(
+            "ignore", message="When providing `inputs` as a dict")
+        return keras.Model(inputs, outputs, name=model.name)
+
+
+def _with_batch(inputs: Any, batch_size: int) -> Any:
+    """`keras.Input`s like `inputs` whose batch dim is `batch_size`."""
+    import keras
+
+    return keras.tree.map_structure(
+        lambda kt: keras.Input(
+            batch_shape=(batch_size,) + tuple(kt.shape)[1:],
+            dtype=kt.dtype, sparse=kt.sparse),
+        inputs,
+    )
+
+
+def _traced_at(model: Any, batch_size: int) -> Any:
+    """The trace of a model whose call needs a static batch size
+    (`trace_call`) on `batch_size`, traced once per size."""
+    state = state_of(model)
+    function = state.traced_at.get(batch_size)
+    if function is None:
+        function = _traced(
+            model, _with_batch(state.trace_inputs, batch_size))
+        state.traced_at[batch_size] = function
+    return function
 
 
 def _inner_models(model: Any) -> Any:
@@ -231,11 +277,16 @@ def is_subclassed(model: Any) -> bool:
     return not isinstance(model, Sequential) and _own_function(model) is None
 
 
-def _as_function(model: Any) -> Any:
-    """The Keras `Function` behind a model (its trace, if it has one),
-    or None."""
-    traced = state_of(model).traced_function
-    return traced if traced is not None else _own_function(model)
+def _as_function(model: Any, batch_size: int | None = None) -> Any:
+    """The Keras `Function` behind a model (its trace, if it has one; on
+    `batch_size` where the trace needed a static batch), or None."""
+    state = state_of(model)
+    traced = state.traced_function
+    if traced is None:
+        return _own_function(model)
+    if batch_size is None or state.traced_batch in (None, batch_size):
+        return traced
+    return _traced_at(model, batch_size)
 
 
 def _own_function(model: Any) -> Any:

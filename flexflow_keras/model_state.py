@@ -29,6 +29,11 @@ class ModelState:
             Keras).
         traced_function: The functional model traced from a subclassed
             model's `call` (`keras_graph.trace_call`), or None.
+        traced_batch: The batch size `traced_function` was traced on
+            where the call needs a static one, else None (any batch).
+        traced_at: Batch size -> the trace on it, for such a call.
+        trace_inputs: The symbolic inputs (any batch) such a call is
+            traced again from, for another batch size.
         trace_failure: Why that trace failed, or None.
         runtime_failure: Why the strategy stopped running on TensorFlow
             (later fits stay plain Keras), or None.
@@ -41,6 +46,9 @@ class ModelState:
     plan: Any = None
     executor: Any = None
     traced_function: Any = None
+    traced_batch: int | None = None
+    traced_at: dict[int, Any] = dataclasses.field(default_factory=dict)
+    trace_inputs: Any = None
     trace_failure: str | None = None
     runtime_failure: str | None = None
     warned_plain: bool = False

@@ -149,7 +149,8 @@ class _PlanningModel(StrategyTrainer):
         from flexflow_keras.keras_graph import trace_call
 
         if found.inputs is not None:
-            failure = trace_call(self, found.symbolic_inputs())
+            failure = trace_call(
+                self, found.symbolic_inputs(), found.batch_size)
             if failure is not None:
                 state_of(self).trace_failure = failure
 

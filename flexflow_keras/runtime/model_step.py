@@ -40,6 +40,7 @@ from tensorflow.python.eager import context
 
 from flexflow_keras import capabilities
 from flexflow_keras import user_random
+from flexflow_keras.model_state import state_of
 from flexflow_keras.runtime import (
     deferred, fresh_state, op_rules, realized, rolled_rnn, unfed_step,
     unroll,
@@ -49,6 +50,7 @@ from flexflow_keras.runtime.fallback import (
 )
 from flexflow_keras.runtime.host_prefix import CalledElsewhere, HostPrefix
 from flexflow_keras.runtime.keras_functions import keras_function
+from flexflow_keras.runtime.support import overrides_step
 from flexflow_keras.runtime.layouts import OpPlan, replicated
 from flexflow_keras.runtime.tracing import step_function
 from flexflow_keras.runtime.variables import (
@@ -178,7 +180,10 @@ class ModelStepExecutor:
         self._transfers = Transfers(self.mesh)
         # Ops a first run found DTensor could not lay out, now replicated.
         self.replicated_ops: list[str] = []
-        self._static_batch = False  # steps traced with the batch dim known
+        # Steps traced with the batch dim known: from the start where
+        # the model's call needs the batch as a number (`keras_graph.
+        # trace_call`); its layers' outputs have an unknown rank else.
+        self._static_batch = state_of(model).traced_batch is not None
         # Recurrent layers run rolled until a first run fails (`_failed`).
         self.loops = unroll.Loops(plans)
         # Lookup layers on raw features run on the host before each step
@@ -259,14 +264,21 @@ class ModelStepExecutor:
         if getattr(self, "_built", False):
             return
         self._built = True
-        try:
-            model._symbolic_build(data_batch=data)
-        except Exception:  # noqa: BLE001 - e.g. a model without call()
-            # Keras builds the rest in the first trace; the variables it
-            # makes there are realized and the step traced again.
-            optimizer = getattr(model, "optimizer", None)
-            if optimizer is not None and not optimizer.built:
-                optimizer.build(model.trainable_variables)
+        # Keras builds the compiled metrics and loss on what the step
+        # passes them: a step of the user's may pass other outputs than
+        # the model's (keras.io's PatchConvNet: the logits of its two
+        # outputs; built on both, its top-5 accuracy left the logs).
+        if not overrides_step(model):
+            try:
+                model._symbolic_build(data_batch=data)
+                return
+            except Exception:  # noqa: BLE001 - e.g. a model without call()
+                pass
+        # Keras builds the rest in the first trace; the variables it
+        # makes there are realized and the step traced again.
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(model.trainable_variables)
 
     def sync_in(self) -> None:
         """Keras values -> StepVariables, unless those are newer, or equal

@@ -68,6 +68,13 @@ def own_step_reasons(model: Any) -> list[str]:
     return reasons
 
 
+def overrides_step(model: Any) -> bool:
+    """Whether `model`'s class defines its own train, test or predict
+    step (what it passes its compiled metrics and loss is its own)."""
+    return any(_defined_outside_keras(type(model), method)
+               for method in _STEP_METHODS[:3])
+
+
 def _defined_outside_keras(cls: type, method: str) -> bool:
     """Whether the class that defines `method` for `cls` is the user's
     (not Keras's, not ours)."""
