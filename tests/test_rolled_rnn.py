@@ -90,6 +90,7 @@ class RolledRNNTest(unittest.TestCase):
             self.assertGreaterEqual(redos, clashes)
         support.assert_same_fits(self, histories, models)
 
+    @pytest.mark.slow  # `test_name_clash_redone` trains it, refused
     def test_data_parallel(self):
         self.fit_both(lambda graph: Strategy.data_parallel(graph, 4))
 
