@@ -20,6 +20,11 @@ class UnknownDimension(ValueError):
     output length is drawn at run time): the search cannot price it."""
 
 
+class UntracedBatchSize(ValueError):
+    """A model whose call needs the batch size as a number, traced on
+    one batch size, fails to trace on another (`trace_call`)."""
+
+
 def build_graph(model: Any, batch_size: int) -> OpGraph:
     """The `OpGraph` of a built Keras model for a global batch size.
 
@@ -224,8 +229,14 @@ def _traced_at(model: Any, batch_size: int) -> Any:
     state = state_of(model)
     function = state.traced_at.get(batch_size)
     if function is None:
-        function = _traced(
-            model, _with_batch(state.trace_inputs, batch_size))
+        try:
+            function = _traced(
+                model, _with_batch(state.trace_inputs, batch_size))
+        except Exception as error:  # noqa: BLE001 - said, not raised
+            raise UntracedBatchSize(
+                f"its call() runs on batches of {state.traced_batch} but "
+                f"could not be traced on batches of {batch_size} "
+                f"({type(error).__name__}: {error})") from error
         state.traced_at[batch_size] = function
     return function
 

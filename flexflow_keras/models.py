@@ -25,7 +25,7 @@ from keras.src.saving import serialization_lib
 from flexflow_keras import settings as settings_lib
 from flexflow_keras import user_random
 from flexflow_keras.keras_graph import (
-    UnknownDimension, is_subclassed, needs_trace,
+    UnknownDimension, UntracedBatchSize, is_subclassed, needs_trace,
 )
 from flexflow_keras.model_state import state_of
 from flexflow_keras.runtime import StrategyTrainer
@@ -195,7 +195,8 @@ class _PlanningModel(StrategyTrainer):
                         plan = make()
                     else:
                         plan = runtime.agreed_plan(self, batch_size, make)
-            except (capabilities.Unsupported, UnknownDimension) as error:
+            except (capabilities.Unsupported, UnknownDimension,
+                    UntracedBatchSize) as error:
                 # Plain Keras runs such a model: so does the script.
                 self._strategy_failed(
                     f"Model '{self.name}' trains as plain Keras on one "

@@ -50,8 +50,8 @@ from flexflow_keras.runtime.fallback import (
 )
 from flexflow_keras.runtime.host_prefix import CalledElsewhere, HostPrefix
 from flexflow_keras.runtime.keras_functions import keras_function
-from flexflow_keras.runtime.support import overrides_step
 from flexflow_keras.runtime.layouts import OpPlan, replicated
+from flexflow_keras.runtime.support import overrides_step
 from flexflow_keras.runtime.tracing import step_function
 from flexflow_keras.runtime.variables import (
     Transfers, argument_constants, attributes_set, gather, layer_constants,
