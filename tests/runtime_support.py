@@ -245,6 +245,38 @@ def fit_plain_and_ours(build, make_strategy, batch, seed, compile_args,
     return histories, models, [str(w.message) for w in caught]
 
 
+def train_plain_and_ours(build, seed, train):
+    """`train(model)` on `build(module)`'s model made from `seed`, with
+    plain Keras and with flexflow_keras (searched as compile() searches).
+
+    Returns {"plain": (model, result, messages), "ours": ...}: `result`
+    is what `train` returned, `messages` the warnings raised meanwhile."""
+    import warnings
+
+    import flexflow_keras as fk
+
+    runs = {}
+    for name, mod in (("plain", keras), ("ours", fk)):
+        keras.utils.set_random_seed(seed)
+        model = build(mod)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = train(model)
+        runs[name] = (model, result, [str(w.message) for w in caught])
+    return runs
+
+
+def assert_own_step_under_strategy(test, runs):
+    """`train_plain_and_ours`'s flexflow_keras model ran its own step
+    under its strategy: no warning of plain Keras."""
+    from flexflow_keras.runtime import model_step
+
+    ours, _, messages = runs["ours"]
+    test.assertFalse([m for m in messages if "plain Keras" in m], messages)
+    test.assertIsInstance(ours.strategy_executor,
+                          model_step.ModelStepExecutor)
+
+
 def assert_same_fits(test, histories, models, rtol=1e-5):
     """`histories` (History.history dicts) and `models`, each keyed
     "plain" and "ours": every logged value and weight equal within

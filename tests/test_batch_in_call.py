@@ -18,16 +18,16 @@ random draw, compared with plain Keras from the same seed.
 """
 
 import unittest
-import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 import flexflow_keras as fk
-from flexflow_keras.runtime import model_step
 
-from runtime_support import assert_same_fits
+from runtime_support import (
+    assert_own_step_under_strategy, assert_same_fits, train_plain_and_ours,
+)
 
 ROWS, BATCH, CLASSES = 72, 16, 5  # each epoch ends on a batch of 8
 
@@ -113,28 +113,22 @@ class BatchInCallTest(unittest.TestCase):
         rng = np.random.default_rng(0)
         x = rng.random((ROWS, 8, 8, 3)).astype("float32")
         y = rng.integers(0, CLASSES, (ROWS, 1))
-        results = {}
-        for name, mod in (("plain", keras), ("ours", fk)):
-            keras.utils.set_random_seed(3)
-            model = build(mod)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                history = model.fit(x, y, batch_size=BATCH, epochs=2,
-                                    validation_data=(x[:32], y[:32]),
-                                    shuffle=False, verbose=0).history
-                again = model.fit(x, y, batch_size=BATCH // 2, epochs=1,
-                                  shuffle=False, verbose=0).history
-                history = {key: values + again.get(key, [])
-                           for key, values in history.items()}
-                evaluated = model.evaluate(x, y, batch_size=BATCH,
-                                           verbose=0)
-            results[name] = (model, history, evaluated, caught)
-        ours, history, evaluated, caught = results["ours"]
-        messages = [str(w.message) for w in caught]
-        self.assertFalse([m for m in messages if "plain Keras" in m],
-                         messages)
-        self.assertIsInstance(ours.strategy_executor,
-                              model_step.ModelStepExecutor)
+
+        def train(model):
+            history = model.fit(x, y, batch_size=BATCH, epochs=2,
+                                validation_data=(x[:32], y[:32]),
+                                shuffle=False, verbose=0).history
+            again = model.fit(x, y, batch_size=BATCH // 2, epochs=1,
+                              shuffle=False, verbose=0).history
+            history = {key: values + again.get(key, [])
+                       for key, values in history.items()}
+            return history, model.evaluate(x, y, batch_size=BATCH,
+                                            verbose=0)
+
+        runs = train_plain_and_ours(build, 3, train)
+        assert_own_step_under_strategy(self, runs)
+        ours, (history, evaluated), _ = runs["ours"]
+        plain, (plain_history, plain_evaluated), _ = runs["plain"]
         self.assertGreater(ours.strategy_executor.mesh.size, 1)
         # Planned on both fits' batch sizes, each on its own trace.
         plans = ours._flexflow_state.plans
@@ -142,12 +136,12 @@ class BatchInCallTest(unittest.TestCase):
         for batch, plan in plans.items():
             self.assertEqual(plan.graph.op("pooling").output_shapes[0],
                              (batch, CLASSES))
-        plain = results["plain"]
-        self.assertEqual(sorted(history), sorted(plain[1]))
+        self.assertEqual(sorted(history), sorted(plain_history))
         self.assertEqual(len(evaluated), 3)
-        np.testing.assert_allclose(evaluated, plain[2], rtol=1e-5, atol=1e-6)
-        assert_same_fits(self, {k: r[1] for k, r in results.items()},
-                         {k: r[0] for k, r in results.items()})
+        np.testing.assert_allclose(evaluated, plain_evaluated, rtol=1e-5,
+                                   atol=1e-6)
+        assert_same_fits(self, {"plain": plain_history, "ours": history},
+                         {"plain": plain, "ours": ours})
 
 
 if __name__ == "__main__":

@@ -7,17 +7,17 @@ model with RandomCrop failed its first step and trained as plain Keras
 """
 
 import unittest
-import warnings
 
-import keras
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 import flexflow_keras as fk
-from flexflow_keras.runtime import model_step, op_rules
+from flexflow_keras.runtime import op_rules
 
-from runtime_support import assert_same_fits
+from runtime_support import (
+    assert_own_step_under_strategy, assert_same_fits, train_plain_and_ours,
+)
 
 BASE = np.arange(4 * 10 * 10 * 3, dtype="float32").reshape(4, 10, 10, 3)
 
@@ -79,23 +79,13 @@ class RunTimeSlicesTest(unittest.TestCase):
         rng = np.random.default_rng(0)
         x = rng.random((64, 12, 12, 3)).astype("float32")
         y = rng.random((64, 2)).astype("float32")
-        results = {}
-        for name, mod in (("plain", keras), ("ours", fk)):
-            keras.utils.set_random_seed(1)
-            model = build(mod)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                history = model.fit(x, y, batch_size=16, epochs=2,
-                                    shuffle=False, verbose=0).history
-            results[name] = (model, history, caught)
-        ours, _, caught = results["ours"]
-        messages = [str(w.message) for w in caught]
-        self.assertFalse([m for m in messages if "plain Keras" in m],
-                         messages)
-        self.assertIsInstance(ours.strategy_executor,
-                              model_step.ModelStepExecutor)
-        assert_same_fits(self, {k: r[1] for k, r in results.items()},
-                         {k: r[0] for k, r in results.items()})
+        runs = train_plain_and_ours(
+            build, 1, lambda model: model.fit(
+                x, y, batch_size=16, epochs=2, shuffle=False,
+                verbose=0).history)
+        assert_own_step_under_strategy(self, runs)
+        assert_same_fits(self, {k: r[1] for k, r in runs.items()},
+                         {k: r[0] for k, r in runs.items()})
 
 
 if __name__ == "__main__":

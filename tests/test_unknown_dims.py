@@ -20,9 +20,10 @@ import keras
 import numpy as np
 
 import flexflow_keras as fk
-from flexflow_keras.runtime import model_step
 
-from runtime_support import assert_same_fits
+from runtime_support import (
+    assert_own_step_under_strategy, assert_same_fits, train_plain_and_ours,
+)
 
 ROWS, BATCH, LENGTH, VOCAB = 64, 16, 6, 30
 
@@ -136,53 +137,40 @@ class UnknownDimsTest(unittest.TestCase):
         rng = np.random.default_rng(0)
         x = rng.random((ROWS, 8, 8, 3)).astype("float32")
         y = rng.integers(0, 4, ROWS)
-        results = {}
-        for name, mod in (("plain", keras), ("ours", fk)):
-            keras.utils.set_random_seed(5)
-            model = build_patches(mod)
-            history = model.fit(x, y, batch_size=BATCH, epochs=2,
-                                shuffle=False, verbose=0).history
-            results[name] = (model, history)
-        ours = results["ours"][0]
+        runs = train_plain_and_ours(
+            build_patches, 5, lambda model: model.fit(
+                x, y, batch_size=BATCH, epochs=2, shuffle=False,
+                verbose=0).history)
+        assert_own_step_under_strategy(self, runs)
+        ours = runs["ours"][0]
         self.assertEqual(tuple(ours.get_layer("patches").output.shape),
                          (None, None, 12))  # Keras's own graph
         graph = ours.plan.graph
         self.assertEqual(graph.op("patches").output_shapes, ((BATCH, 16, 12),))
         self.assertEqual(graph.op("embed").output_shapes, ((BATCH, 16, 8),))
-        self.assertIsInstance(ours.strategy_executor,
-                              model_step.ModelStepExecutor)
-        assert_same_fits(self, {k: r[1] for k, r in results.items()},
-                         {k: r[0] for k, r in results.items()})
+        assert_same_fits(self, {k: r[1] for k, r in runs.items()},
+                         {k: r[0] for k, r in runs.items()})
 
 
     def test_nested_models_on_variable_length_inputs(self):
         x, y = data()
-        results = {}
-        for name, mod in (("plain", keras), ("ours", fk)):
-            keras.utils.set_random_seed(5)
-            model = build(mod)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                history = model.fit(x, y, batch_size=BATCH, epochs=2,
-                                    shuffle=False, verbose=0).history
-            results[name] = (model, history, caught)
-        ours, _, caught = results["ours"]
-        messages = [str(w.message) for w in caught]
-        self.assertFalse([m for m in messages if "plain Keras" in m],
-                         messages)
+        runs = train_plain_and_ours(
+            build, 5, lambda model: model.fit(
+                x, y, batch_size=BATCH, epochs=2, shuffle=False,
+                verbose=0).history)
+        assert_own_step_under_strategy(self, runs)
         # Nor a warning about the names of the trace's own inputs.
+        messages = runs["ours"][2]
         self.assertFalse([m for m in messages if "as a dict" in m],
                          messages)
-        self.assertIsInstance(ours.strategy_executor,
-                              model_step.ModelStepExecutor)
-        graph = ours.plan.graph
+        graph = runs["ours"][0].plan.graph
         # The nested models' layers are ops, on the fed shapes.
         self.assertEqual(graph.op("encoder/enc_emb").output_shapes[0],
                          (BATCH, LENGTH, 8))
         self.assertEqual(graph.op("decoder/dec_out").output_shapes[0],
                          (BATCH, LENGTH, VOCAB))
-        assert_same_fits(self, {k: r[1] for k, r in results.items()},
-                         {k: r[0] for k, r in results.items()})
+        assert_same_fits(self, {k: r[1] for k, r in runs.items()},
+                         {k: r[0] for k, r in runs.items()})
 
 
 if __name__ == "__main__":
