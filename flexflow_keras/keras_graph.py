@@ -181,11 +181,30 @@ def trace_call(model: Any, inputs: Any, batch_size: int) -> str | None:
     try:
         function = _traced(model, _with_batch(inputs, batch_size))
     except Exception:  # noqa: BLE001 - the first failure is reported
+        pass
+    else:
+        state.traced_function, state.traced_batch = function, batch_size
+        state.traced_at = {batch_size: function}
+        state.trace_inputs = inputs
+        return None
+    try:
+        state.traced_function = _as_one_op(model, inputs)
+    except Exception:  # noqa: BLE001 - the first failure is reported
         return failure
-    state.traced_function, state.traced_batch = function, batch_size
-    state.traced_at = {batch_size: function}
-    state.trace_inputs = inputs
+    state.traced_whole = True
     return None
+
+
+def _as_one_op(model: Any, inputs: Any) -> Any:
+    """A graph whose one op is `model` itself, called as Keras calls a
+    layer on symbolic inputs (its `compute_output_spec` runs `call()` on
+    TensorFlow placeholders). For a `call()` that cannot run on Keras's
+    symbolic tensors (TensorFlow NumPy or `tf.*` ops between its layers:
+    keras.io's `tensorflow_numpy_models`): the model trains split over
+    the batch, as a custom layer does, instead of on one device."""
+    import keras
+
+    return keras.Model(inputs, model(inputs), name=model.name)
 
 
 def _traced(model: Any, inputs: Any) -> Any:
@@ -475,7 +494,9 @@ class _GraphBuilder:
 
     def add_node(self, node: Any, name: str) -> None:
         operation = node.operation
-        inner = _as_function(operation)
+        # A model traced as one op (`_as_one_op`) is that op.
+        inner = None if state_of(operation).traced_whole else (
+            _as_function(operation))
         in_kts = node.arguments.keras_tensors
         if inner is not None:
             inner = _on_call_shapes(inner, in_kts)

@@ -34,6 +34,8 @@ class ModelState:
         traced_at: Batch size -> the trace on it, for such a call.
         trace_inputs: The symbolic inputs (any batch) such a call is
             traced again from, for another batch size.
+        traced_whole: Whether `traced_function` is the model called as
+            one op (its `call()` runs on no symbolic tensors).
         trace_failure: Why that trace failed, or None.
         runtime_failure: Why the strategy stopped running on TensorFlow
             (later fits stay plain Keras), or None.
@@ -49,6 +51,7 @@ class ModelState:
     traced_batch: int | None = None
     traced_at: dict[int, Any] = dataclasses.field(default_factory=dict)
     trace_inputs: Any = None
+    traced_whole: bool = False
     trace_failure: str | None = None
     runtime_failure: str | None = None
     warned_plain: bool = False
