@@ -163,6 +163,8 @@ def trace_call(model: Any, inputs: Any, batch_size: int) -> str | None:
     tensor's shape unknown) is traced again on inputs of `batch_size`,
     as Keras itself builds such a model on the first batch; the graph
     of another batch size is then traced on that size (`_traced_at`).
+    A call that runs on no symbolic tensor makes the model one op
+    (`_as_one_op`), on any batch size or on `batch_size` alike.
 
     Args:
         model: A Keras model.
@@ -170,29 +172,26 @@ def trace_call(model: Any, inputs: Any, batch_size: int) -> str | None:
             the batch dim None.
         batch_size: The global batch size fit() feeds first.
     """
-    # Kept off Keras's attribute tracking (`model_state`): a trace must
-    # not become a tracked sublayer (weights, saving) of the model.
-    state = state_of(model)
-    try:
-        state.traced_function = _traced(model, inputs)
-        return None
-    except Exception as error:  # noqa: BLE001 - any failure: no graph
-        failure = f"{type(error).__name__}: {error}"
-    try:
-        function = _traced(model, _with_batch(inputs, batch_size))
-    except Exception:  # noqa: BLE001 - the first failure is reported
-        pass
-    else:
-        state.traced_function, state.traced_batch = function, batch_size
-        state.traced_at = {batch_size: function}
-        state.trace_inputs = inputs
-        return None
-    try:
-        state.traced_function = _as_one_op(model, inputs)
-    except Exception:  # noqa: BLE001 - the first failure is reported
-        return failure
-    state.traced_whole = True
-    return None
+    failure = None
+    for whole in (False, True):
+        for batch in (None, batch_size):
+            tracer = _as_one_op if whole else _traced
+            try:
+                function = tracer(model, inputs if batch is None
+                                  else _with_batch(inputs, batch))
+            except Exception as error:  # noqa: BLE001 - no graph
+                # The first failure is the one reported.
+                failure = failure or f"{type(error).__name__}: {error}"
+                continue
+            # Kept off Keras's attribute tracking (`model_state`): a
+            # trace must not become a tracked sublayer of the model.
+            state = state_of(model)
+            state.traced_function, state.traced_whole = function, whole
+            if batch is not None:
+                state.traced_batch, state.trace_inputs = batch, inputs
+                state.traced_at = {batch: function}
+            return None
+    return failure
 
 
 def _as_one_op(model: Any, inputs: Any) -> Any:
@@ -214,9 +213,15 @@ def _traced(model: Any, inputs: Any) -> Any:
     import warnings
 
     import keras
+    from keras.src.utils import python_utils
 
     if type(model).call is keras.Model.call:
         return _inner_models(model)
+    if not model.built and not python_utils.is_default(model.build):
+        # As Keras's first call does: a build() of the user's may make
+        # the layers or weights that call() uses.
+        model.build(keras.tree.map_structure(
+            lambda kt: tuple(kt.shape), inputs))
     kwargs = {}
     if "training" in inspect.signature(model.call).parameters:
         kwargs["training"] = False
@@ -248,8 +253,9 @@ def _traced_at(model: Any, batch_size: int) -> Any:
     state = state_of(model)
     function = state.traced_at.get(batch_size)
     if function is None:
+        tracer = _as_one_op if state.traced_whole else _traced
         try:
-            function = _traced(
+            function = tracer(
                 model, _with_batch(state.trace_inputs, batch_size))
         except Exception as error:  # noqa: BLE001 - said, not raised
             raise UntracedBatchSize(

@@ -9,7 +9,12 @@ such a model on symbolic inputs through its `compute_output_spec`
 (TensorFlow placeholders); the graph is then that one call, an op whose
 batch the search splits, as a custom layer's
 (`keras_graph._as_one_op`). A Dropout layer inside it draws its mask
-while the batch is split.
+while the batch is split. A call that also needs the batch size as a
+number is made one op on each batch size it is planned for.
+
+A model whose `build()` makes the layers its `call()` uses is built
+before its trace, as Keras's first call builds it: before, its trace
+failed on the missing layers.
 """
 
 import unittest
@@ -50,7 +55,51 @@ def build(mod):
     return model
 
 
+def build_token(mod):
+    """A class token repeated `tf.shape(x)[0]` times by a TensorFlow op
+    (no symbolic trace), and a flatten to `(batch, -1)`: on any batch
+    size the Dense after it meets an unknown last dim; Keras builds it
+    on the first batch."""
+
+    class TokenNetwork(mod.Model):
+        def build(self, input_shape):
+            self.token = self.add_weight(shape=(1, 1, input_shape[-1]),
+                                         initializer="ones", name="token")
+            self.dense = mod.layers.Dense(4, name="dense")
+            self.head = mod.layers.Dense(1, name="head")
+
+        def call(self, inputs):
+            token = tf.repeat(self.token, tf.shape(inputs)[0], axis=0)
+            h = self.dense(tf.concat([token, inputs], axis=1))
+            return self.head(tf.reshape(h, (tf.shape(h)[0], -1)))
+
+    model = TokenNetwork(name="token_network")
+    options = {"search_budget": 50} if mod is fk else {}
+    model.compile(optimizer="sgd", loss="mse", **options)
+    return model
+
+
+class LayersMadeInBuild(fk.Model):
+    """Layers made in `build()`, Keras ops only in `call()`: traced
+    layer by layer once built, as Keras's first call builds it."""
+
+    def build(self, input_shape):
+        self.hidden = fk.layers.Dense(8, activation="relu", name="hidden")
+        self.out = fk.layers.Dense(1, name="out")
+
+    def call(self, inputs):
+        return self.out(self.hidden(fk.ops.square(inputs)))
+
+
 class OneOpModelTest(unittest.TestCase):
+    def test_layers_made_in_build_are_ops(self):
+        x = np.ones((ROWS, FEATURES), "float32")
+        model = LayersMadeInBuild()
+        model.compile(optimizer="sgd", loss="mse", search_budget=10)
+        model.fit(x, x[:, :1], batch_size=BATCH, epochs=1, verbose=0)
+        self.assertEqual([op.name for op in model.plan.graph],
+                         ["square", "hidden", "out"])
+
     def test_trains_split_over_the_batch_equal_to_plain_keras(self):
         rng = np.random.default_rng(0)
         x = rng.random((ROWS, FEATURES)).astype("float32")
@@ -66,6 +115,31 @@ class OneOpModelTest(unittest.TestCase):
         self.assertEqual([op.name for op in graph], ["numpy_network"])
         config = ours.strategy["numpy_network"]
         self.assertGreater(config.dims[0], 1, config)  # the batch split
+        assert_same_fits(self, {k: r[1] for k, r in runs.items()},
+                         {k: r[0] for k, r in runs.items()})
+
+
+    def test_traced_on_each_batch_size_where_it_needs_one(self):
+        rng = np.random.default_rng(1)
+        x = rng.random((ROWS, 5, FEATURES)).astype("float32")
+        y = x.mean(axis=(1, 2))[:, None]
+
+        def train(model):
+            first = model.fit(x, y, batch_size=BATCH, epochs=2,
+                              shuffle=False, verbose=0).history
+            second = model.fit(x, y, batch_size=BATCH // 2, epochs=1,
+                               shuffle=False, verbose=0).history
+            return {key: first[key] + second[key] for key in first}
+
+        runs = train_plain_and_ours(build_token, 2, train)
+        assert_own_step_under_strategy(self, runs)
+        plans = runs["ours"][0]._flexflow_state.plans
+        self.assertEqual(sorted(plans), [BATCH // 2, BATCH])
+        for batch, plan in plans.items():
+            self.assertEqual([op.name for op in plan.graph],
+                             ["token_network"])
+            self.assertEqual(plan.graph.op("token_network").input_shapes,
+                             ((batch, 5, FEATURES),))
         assert_same_fits(self, {k: r[1] for k, r in runs.items()},
                          {k: r[0] for k, r in runs.items()})
 
