@@ -264,7 +264,12 @@ def sequence_splits(graph):
 class RealizedLayoutsTest(unittest.TestCase):
     def test_random_strategies(self):
         for name in MODELS:
-            check_model(self, name, seeds=(1, 2))
+            check_model(self, name, seeds=(1,))
+
+    @pytest.mark.slow  # about 100 s on 2 cores, seed 1 about 20 s
+    def test_random_strategies_second_seed(self):
+        for name in MODELS:
+            check_model(self, name, seeds=(2,))
 
     def test_random_strategies_on_a_2x2_mesh(self):
         for name in ("self_attention", "shared_layer"):
