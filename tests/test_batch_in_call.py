@@ -143,6 +143,41 @@ class BatchInCallTest(unittest.TestCase):
         assert_same_fits(self, {"plain": plain_history, "ours": history},
                          {"plain": plain, "ours": ours})
 
+    def test_batch_size_it_cannot_be_traced_on_trains_as_plain_keras(self):
+        """A later batch size whose trace fails: that fit trains as
+        plain Keras, saying why, from the weights the strategy left."""
+        from unittest import mock
+
+        from flexflow_keras import keras_graph
+
+        rng = np.random.default_rng(1)
+        x = rng.random((ROWS, 8, 8, 3)).astype("float32")
+        y = rng.integers(0, CLASSES, (ROWS, 1))
+        traced = keras_graph._traced
+
+        def refusing_half_batches(model, inputs):
+            if keras.tree.flatten(inputs)[0].shape[0] == BATCH // 2:
+                raise ValueError("refused")
+            return traced(model, inputs)
+
+        def train(model):
+            first = model.fit(x, y, batch_size=BATCH, epochs=1,
+                              shuffle=False, verbose=0).history
+            with mock.patch.object(keras_graph, "_traced",
+                                   refusing_half_batches):
+                second = model.fit(x, y, batch_size=BATCH // 2, epochs=1,
+                                   shuffle=False, verbose=0).history
+            return {key: first[key] + second[key] for key in first}
+
+        runs = train_plain_and_ours(build, 3, train)
+        messages = [m for m in runs["ours"][2] if "plain Keras" in m]
+        self.assertEqual(len(messages), 1, messages)
+        self.assertIn(f"runs on batches of {BATCH} but could not be traced "
+                      f"on batches of {BATCH // 2} (ValueError: refused)",
+                      messages[0])
+        assert_same_fits(self, {k: r[1] for k, r in runs.items()},
+                         {k: r[0] for k, r in runs.items()})
+
 
 if __name__ == "__main__":
     unittest.main()
