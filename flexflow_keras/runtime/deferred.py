@@ -40,6 +40,9 @@ class StepVariable(dtensor.DVariable):
 
     _deferring = False
     _kept = None  # the value written during the current trace
+    # Whether any traced step writes it: only those are copied back to
+    # their Keras variables (`ModelStepExecutor.sync_out`).
+    written = False
 
     # -- reads ------------------------------------------------------------
 
@@ -92,6 +95,7 @@ class StepVariable(dtensor.DVariable):
                 "outside the branch."
             )
         self._kept = tf.cast(tf.convert_to_tensor(value), self.dtype)
+        self.written = True
         return tf.identity(self._kept) if read_value else self._kept
 
     def assign(self, value, use_locking=None, name=None, read_value=True):

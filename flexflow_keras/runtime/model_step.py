@@ -43,7 +43,7 @@ from flexflow_keras import user_random
 from flexflow_keras.model_state import state_of
 from flexflow_keras.runtime import (
     deferred, fresh_state, op_rules, realized, rolled_rnn, unfed_step,
-    unroll,
+    unroll, untracked,
 )
 from flexflow_keras.runtime.fallback import (
     fall_back, op_to_replicate, to_data_parallel, to_plain_keras,
@@ -168,6 +168,9 @@ class ModelStepExecutor:
         self._sharded = True  # the batch being traced is split
         self._in_call = 0  # depth of op calls and `_call_outside`s
         self._pairs: list[tuple[Any, Any, Any]] = []  # keras, step, layout
+        # Keras variables the step used that the model does not track
+        # (`untracked`), found while it was traced.
+        self._untracked: list = []
         self._key_map: dict[int, int] = {}  # StepVariable key -> Keras's
         self._constants: list = []  # layer tensors, copied onto the mesh
         self._random_state = None  # [seed, counter] of stateful tf.random
@@ -210,8 +213,10 @@ class ModelStepExecutor:
 
         Runs before each step's first trace (after `_build`), and again
         after it for the variables the trace itself created (a custom
-        step's optimizer built on first use, say), so that no variable of
-        the step stays a regular, single-device one.
+        step's optimizer built on first use, say), or read that the model
+        does not track (`untracked`: layers of the graph the model does not
+        hold, and whatever the trace found), so that no variable of the
+        step stays a regular, single-device one.
         """
         layouts: dict[int, Any] = {}
         for plan in self.plans:
@@ -229,7 +234,10 @@ class ModelStepExecutor:
             layouts.update(_slot_layouts(optimizer, layouts))
         seen = {id(k) for k, _, _ in self._pairs}
         added = False
-        for var in _state_variables(self.model):
+        graph_layers = [v for plan in self.plans
+                        for v in getattr(plan.op.layer, "variables", ())]
+        for var in (_state_variables(self.model) + graph_layers
+                    + self._untracked):
             if id(var) in seen:
                 continue
             seen.add(id(var))
@@ -244,7 +252,14 @@ class ModelStepExecutor:
             fresh_state.watch(self, [var])
             added = True
         if not self._constants:
+            # The graph's layers too: those the model does not hold
+            # (`untracked`; an adapted Normalization's mean and variance).
+            held = {id(layer) for layer in self.model._flatten_layers()}
             self._constants = layer_constants(self.model, self.mesh) + [
+                constant for plan in self.plans
+                if id(plan.op.layer) not in held
+                for constant in layer_constants(plan.op.layer, self.mesh)
+            ] + [
                 change for plan in self.plans
                 for change in argument_constants(plan.op.arguments,
                                                  self.mesh)
@@ -294,9 +309,16 @@ class ModelStepExecutor:
             self._last_copy.mark()
 
     def sync_out(self) -> None:
-        """StepVariables -> Keras values, if training changed them."""
+        """StepVariables -> Keras values, if training changed them: those
+        a step writes. The others are left alone: a variable the step
+        only reads, or not at all, may be written elsewhere meanwhile
+        (keras.io's CutMix draws without a seed in its `tf.data`
+        pipeline, from Keras's global seed state; copied back at each
+        epoch's end, that state went back and the pipeline drew the
+        same numbers again)."""
         if self.dirty:
-            self._transfers.copy_out(self._pairs)
+            self._transfers.copy_out(
+                [pair for pair in self._pairs if pair[1].written])
             self.dirty = False
             self._last_copy.mark()
 
@@ -345,7 +367,9 @@ class ModelStepExecutor:
         try:
             with deferred.deferring(step_vars), op_rules.substitutes(self.mesh), \
                     op_rules.stateless_random(self._random_state), \
-                    attributes_set(self._constants), _TAPES.counting():
+                    attributes_set(self._constants), _TAPES.counting(), \
+                    untracked.recording({id(k) for k, _, _ in self._pairs},
+                                        self._untracked):
                 yield
         finally:
             tf_core.cond = keras_cond
