@@ -277,16 +277,16 @@ def assert_own_step_under_strategy(test, runs):
                           model_step.ModelStepExecutor)
 
 
-def assert_same_fits(test, histories, models, rtol=1e-5):
+def assert_same_fits(test, histories, models, rtol=1e-5, atol=1e-6):
     """`histories` (History.history dicts) and `models`, each keyed
     "plain" and "ours": every logged value and weight equal within
-    `rtol` (and 1e-6 absolute: a loss that crosses zero)."""
+    `rtol` (and `atol` absolute: a loss that crosses zero)."""
     for key, values in histories["plain"].items():
         np.testing.assert_allclose(histories["ours"][key], values,
-                                   rtol=rtol, atol=1e-6, err_msg=key)
+                                   rtol=rtol, atol=atol, err_msg=key)
     for a, b in zip(models["plain"].get_weights(),
                     models["ours"].get_weights()):
-        np.testing.assert_allclose(b, a, rtol=rtol, atol=1e-6)
+        np.testing.assert_allclose(b, a, rtol=rtol, atol=atol)
 
 
 def fresh_caches(test):

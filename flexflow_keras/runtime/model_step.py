@@ -187,6 +187,9 @@ class ModelStepExecutor:
         # the model's call needs the batch as a number (`keras_graph.
         # trace_call`); its layers' outputs have an unknown rank else.
         self._static_batch = state_of(model).traced_batch is not None
+        # The model's outputs whole on every device rather than split on
+        # their batch, for the user's code after them (`_failed`).
+        self._outputs_whole = False
         # Recurrent layers run rolled until a first run fails (`_failed`).
         self.loops = unroll.Loops(plans)
         # Lookup layers on raw features run on the host before each step
@@ -200,10 +203,10 @@ class ModelStepExecutor:
     @property
     def retries(self) -> list[str]:
         """What first runs that failed in DTensor were retried with: ops
-        made replicated, and "static batch" (`_failed`)."""
+        made replicated, "static batch" and "outputs whole" (`_failed`)."""
         return self.replicated_ops + (
             ["static batch"] if self._static_batch else []
-        )
+        ) + (["outputs whole"] if self._outputs_whole else [])
 
     # -- variables ----------------------------------------------------------
 
@@ -460,7 +463,9 @@ class ModelStepExecutor:
                 )
                 value = relaid_like_keras(value, layout)
                 if plan.op.outputs[index] in self.graph.outputs:
-                    value = relaid_like_keras(value, _batch_only(layout))
+                    value = relaid_like_keras(
+                        value, replicated(self.mesh, value.shape.rank)
+                        if self._outputs_whole else _batch_only(layout))
             placed.append(value)
         return tree.pack_sequence_as(outputs, placed)
 
@@ -493,9 +498,10 @@ class ModelStepExecutor:
         return tree.map_structure(placed, outputs)
 
     def _outside_layout(self, rank: int) -> Any:
-        """The model's outputs' batch layout (`_batch_only`), at `rank`."""
+        """The model's outputs' batch layout (`_batch_only`), at `rank`;
+        replicated where they are whole (`_outputs_whole`)."""
         axis = None
-        if self._sharded:
+        if self._sharded and not self._outputs_whole:
             for plan in self.plans:
                 if any(o in self.graph.outputs for o in plan.op.outputs):
                     axis = plan.axes.get(0)
@@ -690,6 +696,17 @@ class ModelStepExecutor:
             # `ops.tile`): the steps are traced again with their batch
             # size written in (each batch size has its own step anyway).
             self._static_batch = True
+            self._functions.clear()
+            return self.make_function(kind)(batches)
+        if first and not self._outputs_whole:
+            # DTensor fails on some code of the user's step outside the
+            # layers, on the batch-split outputs ("EmitAllScatter was
+            # passed a desired_layout ... not more sharded": a contrastive
+            # loss subtracting each row's maximum from its columns,
+            # keras.io's semantic image clustering): the step is traced
+            # again with the model's outputs whole on every device, so
+            # that code runs replicated; the layers keep their layouts.
+            self._outputs_whole = True
             self._functions.clear()
             return self.make_function(kind)(batches)
         return fall_back(self.model, kind, error, batches, False, first)

@@ -63,7 +63,7 @@ import tensorflow as tf
 from keras import tree
 from tensorflow.experimental import dtensor
 from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import stateless_random_ops
+from tensorflow.python.ops import gen_math_ops, stateless_random_ops
 from keras.src.backend.tensorflow import nn as tf_nn
 from keras.src.backend.tensorflow import numpy as tf_numpy
 
@@ -357,6 +357,26 @@ def _sliced_plainly(getitem: Any) -> Any:
     return sliced
 
 
+def _distinct_operands(mat_mul: Any) -> Any:
+    """`mat_mul`, with one tensor passed as both operands made two.
+
+    Why: DTensor lays out a MatMul of a tensor with itself inconsistently
+    when the tensor is split on its rows: the similarity matrix
+    `f @ f^T` of a contrastive loss (keras.io's semantic image
+    clustering) failed with "SPMD expansion resulted in op output
+    inconsistent with the provided layout. Expected shape: <16,32> got
+    shape: <32,32>" (measured, TF 2.21, 2 virtual CPUs), while the same
+    product of `f` and `tf.identity(f)` runs. The identity costs
+    nothing; the values are the same."""
+
+    def distinct(a, b, *args, **kwargs):
+        if a is b:
+            b = tf.identity(b)
+        return mat_mul(a, b, *args, **kwargs)
+
+    return distinct
+
+
 @contextlib.contextmanager
 def substitutes(mesh: Any) -> Iterator[None]:
     """While a DTensor step on `mesh` is traced: Keras ops built from
@@ -379,6 +399,8 @@ def substitutes(mesh: Any) -> Iterator[None]:
         (tf.nn, "top_k", whole_on(mesh, tf.nn.top_k)),
         (tensor_lib.Tensor, "__getitem__",
          _sliced_plainly(tensor_lib.Tensor.__getitem__)),
+        # Every 2-D matmul (`tf.matmul`, `@`, `keras.ops.matmul`).
+        (gen_math_ops, "mat_mul", _distinct_operands(gen_math_ops.mat_mul)),
     ]
     saved = [(module, name, getattr(module, name), new)
              for module, name, new in saved]
