@@ -32,6 +32,7 @@ from flexflow_keras.runtime import model_step, rolled_rnn, step
 from flexflow_keras.strategy import ParallelConfig, Strategy
 
 ROWS, STEPS, BATCH = 72, 7, 16  # 4 batches of 16 and one of 8
+WHOLE_BATCHES = 64  # rows for tests whose point is not the partial batch
 
 
 def build(mod, masked=True, steps=STEPS):
@@ -48,10 +49,10 @@ def build(mod, masked=True, steps=STEPS):
                                           name="out")(h))
 
 
-def data(seed, steps=STEPS):
+def data(seed, steps=STEPS, rows=ROWS):
     rng = np.random.default_rng(seed)
-    ids = rng.integers(1, 20, (ROWS, steps)).astype("int32")
-    lengths = rng.integers(2, steps + 1, ROWS)
+    ids = rng.integers(1, 20, (rows, steps)).astype("int32")
+    lengths = rng.integers(2, steps + 1, rows)
     ids[np.arange(steps)[None, :] >= lengths[:, None]] = 0
     return ids, (ids[:, 0] > 10).astype("float32")
 
@@ -66,10 +67,11 @@ def dense_on_one_device(graph):
 class RolledRNNTest(unittest.TestCase):
     def fit_both(self, make_strategy, clashes=0,
                  executor_type=model_step.ModelStepExecutor, masked=True,
-                 steps=STEPS, validate=True):
+                 steps=STEPS, validate=True, rows=ROWS):
         """`validate=False`: no validation data, half the steps to trace
-        (the name-clash test traces all four)."""
-        (x, y), validation = data(0, steps), data(1, steps)
+        (the name-clash test traces all four); `rows=WHOLE_BATCHES`: no
+        partial last batch, one train step to trace, not two."""
+        (x, y), validation = data(0, steps, rows), data(1, steps)
         calls = mock.patch.object(rolled_rnn, "rolled_rnn",
                                   wraps=rolled_rnn.rolled_rnn)
         with calls as rolled:
@@ -107,10 +109,11 @@ class RolledRNNTest(unittest.TestCase):
         self.assertEqual(rolled_rnn._block_size(STEPS), 1)
         self.assertEqual(rolled_rnn._block_size(200), 8)
         self.fit_both(lambda graph: Strategy.data_parallel(graph, 4),
-                      steps=19, validate=False)
+                      steps=19, validate=False, rows=WHOLE_BATCHES)
 
     def test_dense_on_one_device(self):
-        self.fit_both(dense_on_one_device, validate=False)
+        self.fit_both(dense_on_one_device, validate=False,
+                      rows=WHOLE_BATCHES)
 
     def test_several_meshes(self):
         """The layer-by-layer executor: each segment's backward function
@@ -119,7 +122,7 @@ class RolledRNNTest(unittest.TestCase):
         runs: reading them there trained the RNN's weights as zero,
         keras.io's IMDB script 0.805 accurate against 0.9765)."""
         self.fit_both(support.several_meshes, executor_type=step.Executor,
-                      masked=False)
+                      masked=False, validate=False, rows=WHOLE_BATCHES)
 
     def test_name_clash_redone(self):
         """A first run DTensor refuses for a loop function's name (it
