@@ -14,8 +14,8 @@ validation and a partial last batch.
 keras.io's CutMix draws without a seed in its `tf.data` pipeline, from
 Keras's global seed state, which the step holds a copy of but never
 writes; copied back at each epoch's end, the state went back and the
-pipeline drew the same numbers again (validation loss 3.92 against
-3.40 after two epochs). Only what a step writes is copied back.
+pipeline drew the same numbers again (here: equal losses in the first
+epoch, others from the second). Only what a step writes is copied back.
 """
 
 import unittest
