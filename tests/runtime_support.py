@@ -289,6 +289,14 @@ def assert_same_fits(test, histories, models, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(b, a, rtol=rtol, atol=atol)
 
 
+def assert_same_runs(test, runs, **tolerances):
+    """`assert_same_fits` on `train_plain_and_ours`'s runs whose `train`
+    returned a History's dict (`tolerances`: its `rtol`, `atol`)."""
+    assert_same_fits(test, {name: run[1] for name, run in runs.items()},
+                     {name: run[0] for name, run in runs.items()},
+                     **tolerances)
+
+
 def fresh_caches(test):
     """Nothing measured for the rest of `test`, as on a new user's
     machine: the op-cost, live-machine and probe caches point at an

@@ -25,7 +25,7 @@ import tensorflow as tf
 
 import flexflow_keras as fk
 from runtime_support import (
-    assert_own_step_under_strategy, assert_same_fits, train_plain_and_ours,
+    assert_own_step_under_strategy, assert_same_runs, train_plain_and_ours,
 )
 
 ROWS, BATCH = 40, 16  # 2 batches of 16 and one of 8
@@ -124,9 +124,7 @@ class ContrastiveStepTest(unittest.TestCase):
         # device, which the normalization amplifies (weights 2e-6 apart;
         # without it, equal within 1e-5 relative). What these rules
         # mend is off by 1e-2 and more: draws, layouts.
-        assert_same_fits(self, {name: run[1] for name, run in runs.items()},
-                         {name: run[0] for name, run in runs.items()},
-                         atol=1e-5)
+        assert_same_runs(self, runs, atol=1e-5)
 
     def test_similarity_matrix(self):
         self.check(row_max=False, retries=[])

@@ -28,7 +28,7 @@ import flexflow_keras as fk
 from flexflow_keras import keras_graph
 
 from runtime_support import (
-    assert_own_step_under_strategy, assert_same_fits, train_plain_and_ours,
+    assert_own_step_under_strategy, assert_same_runs, train_plain_and_ours,
 )
 
 ROWS, FEATURES, BATCH = 64, 6, 16
@@ -115,8 +115,7 @@ class OneOpModelTest(unittest.TestCase):
         self.assertEqual([op.name for op in graph], ["numpy_network"])
         config = ours.strategy["numpy_network"]
         self.assertGreater(config.dims[0], 1, config)  # the batch split
-        assert_same_fits(self, {k: r[1] for k, r in runs.items()},
-                         {k: r[0] for k, r in runs.items()})
+        assert_same_runs(self, runs)
 
 
     def test_traced_on_each_batch_size_where_it_needs_one(self):
@@ -140,8 +139,7 @@ class OneOpModelTest(unittest.TestCase):
                              ["token_network"])
             self.assertEqual(plan.graph.op("token_network").input_shapes,
                              ((batch, 5, FEATURES),))
-        assert_same_fits(self, {k: r[1] for k, r in runs.items()},
-                         {k: r[0] for k, r in runs.items()})
+        assert_same_runs(self, runs)
 
 
 if __name__ == "__main__":

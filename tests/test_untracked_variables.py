@@ -26,7 +26,7 @@ import tensorflow as tf
 
 import flexflow_keras as fk
 from runtime_support import (
-    assert_own_step_under_strategy, assert_same_fits, train_plain_and_ours,
+    assert_own_step_under_strategy, assert_same_runs, train_plain_and_ours,
 )
 
 ROWS, BATCH = 72, 16  # 4 batches of 16 and one of 8
@@ -100,8 +100,7 @@ class UntrackedVariablesTest(unittest.TestCase):
             self.assertIn(kind, kinds)
             for var in kinds[kind].variables:
                 self.assertIn(id(var), paired, var.path)
-        assert_same_fits(self, {name: run[1] for name, run in runs.items()},
-                         {name: run[0] for name, run in runs.items()})
+        assert_same_runs(self, runs)
 
     def test_seed_state_the_input_pipeline_draws_from(self):
         def build_own_step(mod):
@@ -135,8 +134,7 @@ class UntrackedVariablesTest(unittest.TestCase):
 
         runs = train_plain_and_ours(build_own_step, 5, train)
         assert_own_step_under_strategy(self, runs)
-        assert_same_fits(self, {name: run[1] for name, run in runs.items()},
-                         {name: run[0] for name, run in runs.items()})
+        assert_same_runs(self, runs)
 
 
 if __name__ == "__main__":
