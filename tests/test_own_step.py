@@ -480,8 +480,9 @@ class OwnStepTest(unittest.TestCase):
     def test_gan_with_two_optimizers_and_stateful_random(self):
         # keras.io's GAN pattern: no call(), a custom compile with two
         # optimizers, tf.random.uniform label noise, concatenation of
-        # fake and real batches. Random, so checked for running under
-        # the strategy, not for Keras's values.
+        # fake and real batches. Checked for running under the
+        # strategy; `tests/test_stateful_draws.py` checks that stateful
+        # draws in a step give Keras's values.
         import tensorflow as tf
 
         def mlp(width_in, width_out, name):

@@ -42,8 +42,8 @@ from flexflow_keras import capabilities
 from flexflow_keras import user_random
 from flexflow_keras.model_state import state_of
 from flexflow_keras.runtime import (
-    deferred, fresh_state, op_rules, realized, rolled_rnn, unfed_step,
-    unroll, untracked,
+    deferred, fresh_state, op_rules, realized, rolled_rnn, stateful_draws,
+    unfed_step, unroll, untracked,
 )
 from flexflow_keras.runtime.fallback import (
     fall_back, op_to_replicate, to_data_parallel, to_plain_keras,
@@ -173,7 +173,8 @@ class ModelStepExecutor:
         self._untracked: list = []
         self._key_map: dict[int, int] = {}  # StepVariable key -> Keras's
         self._constants: list = []  # layer tensors, copied onto the mesh
-        self._random_state = None  # [seed, counter] of stateful tf.random
+        # Counters of stateful tf.random draws (`stateful_draws`).
+        self._random_state = None
         self._splits_beyond_batch = any(
             dim != 0 for plan in plans for dim in plan.axes
         )
@@ -267,11 +268,12 @@ class ModelStepExecutor:
                 for change in argument_constants(plan.op.arguments,
                                                  self.mesh)
             ]
-        if self._random_state is None:  # for `op_rules.stateless_random`
+        if self._random_state is None:  # for `stateful_draws`
             with user_random.kept():  # seeded, not taken from the user
-                seed = np.array([np.random.randint(2**31), 0], np.int64)
+                self._unseeded_key = int(np.random.randint(2**31))
             self._random_state = deferred.StepVariable(
-                to_layout(seed, replicated(self.mesh, 1)), trainable=False
+                to_layout(np.zeros(stateful_draws.SLOTS, np.int64),
+                          replicated(self.mesh, 1)), trainable=False
             )
         return added
 
@@ -352,7 +354,7 @@ class ModelStepExecutor:
                 self._learning_rates[id(variable)] = value
 
     @contextlib.contextmanager
-    def _realized(self) -> Iterator[None]:
+    def _realized(self, kind: str) -> Iterator[None]:
         """While tracing: Keras variables read and write StepVariables,
         layer calls take their op's layouts, `ops.cond` selects, ops
         DTensor cannot run are replaced (`op_rules`)."""
@@ -369,7 +371,8 @@ class ModelStepExecutor:
         tf_core.cond = deferred.select_cond(step_vars)
         try:
             with deferred.deferring(step_vars), op_rules.substitutes(self.mesh), \
-                    op_rules.stateless_random(self._random_state), \
+                    stateful_draws.drawing(self._random_state, self.mesh,
+                                           kind, self._unseeded_key), \
                     attributes_set(self._constants), _TAPES.counting(), \
                     untracked.recording({id(k) for k, _, _ in self._pairs},
                                         self._untracked):
@@ -560,7 +563,7 @@ class ModelStepExecutor:
                 # here, to read the layouts DTensor gives each op.
                 record = (self._unfed.recording() if kind == "train"
                           else contextlib.nullcontext())
-                with self._realized(), realized.recording(
+                with self._realized(kind), realized.recording(
                         self, lambda: _TAPES.depth > 1) as returned, record:
                     try:
                         outputs = step(data)

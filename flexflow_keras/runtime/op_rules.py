@@ -32,11 +32,11 @@ equal to plain Keras:
   every device, replicated or split (measured, TF 2.21: the slice's sum
   0.0 against 1842432.0); keras.io's TokenLearner failed its first step
   ("input image must be of non-zero size") and trained as plain Keras.
-- `stateless_random(state)`: TensorFlow's stateful random ops
-  (`tf.random.uniform/normal/truncated_normal` in a script's own step,
-  as in keras.io's GAN examples) are refused by DTensor; while a step is
-  traced they draw from their stateless twins, seeded from a counter
-  variable on the mesh. (Random values cannot equal Keras's anyway.)
+- TensorFlow's stateful random ops (`tf.random.uniform/normal/
+  truncated_normal` in a script's own step, as in keras.io's GAN
+  examples), which DTensor refuses, run as their stateless twins with
+  the key and counter plain Keras's kernels would have:
+  `stateful_draws.py`.
 - `enable(ops)`: DTensor has a per-op switch to run such an op with
   every input and output replicated (each device computes the whole op;
   the inputs are all-gathered first): the environment variable
@@ -504,44 +504,3 @@ def inner_splits_kept(active: bool) -> Iterator[None]:
     finally:
         tf_numpy.matmul = keras_matmul
 
-
-@contextlib.contextmanager
-def stateless_random(state: Any) -> Iterator[None]:
-    """While a DTensor step is traced: `tf.random.uniform`, `normal` and
-    `truncated_normal` draw statelessly, each call with the next seed of
-    `state` (an int64 `[seed, counter]` variable whose writes are
-    deferred to the step's end: `deferred.StepVariable`)."""
-
-    def next_seed():
-        seed = state.read_value()
-        state.assign(seed + tf.constant([0, 1], tf.int64))
-        return seed
-
-    def uniform(shape, minval=0, maxval=None, dtype=tf.float32, seed=None,
-                name=None):
-        return tf.random.stateless_uniform(
-            shape, next_seed(), minval, maxval, dtype, name=name
-        )
-
-    def normal(shape, mean=0.0, stddev=1.0, dtype=tf.float32, seed=None,
-               name=None):
-        return tf.random.stateless_normal(
-            shape, next_seed(), mean, stddev, dtype, name=name
-        )
-
-    def truncated_normal(shape, mean=0.0, stddev=1.0, dtype=tf.float32,
-                         seed=None, name=None):
-        return tf.random.stateless_truncated_normal(
-            shape, next_seed(), mean, stddev, dtype, name=name
-        )
-
-    replaced = {"uniform": uniform, "normal": normal,
-                "truncated_normal": truncated_normal}
-    saved = {name: getattr(tf.random, name) for name in replaced}
-    for name, function in replaced.items():
-        setattr(tf.random, name, function)
-    try:
-        yield
-    finally:
-        for name, function in saved.items():
-            setattr(tf.random, name, function)
