@@ -33,8 +33,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.experimental import dtensor
 from tensorflow.python.ops import gen_random_ops
+
+from flexflow_keras.runtime import op_rules
 
 # Draws each step kind has slots for; a step with more shares them
 # round (each draw keeps its own seeds, so streams stay distinct).
@@ -67,17 +68,14 @@ def drawing(counters: Any, mesh: Any, kind: str,
             tf.cast(counters.read_value()[slot], tf.uint64),
             tf.constant(seed2 % 2**64, tf.uint64),
         ])
-        value = stateless(shape=shape,
-                          key=tf.constant([seed % 2**64], tf.uint64),
-                          counter=counter, alg=_PHILOX, **arguments)
+        # Whole on every device, as every draw in a step
+        # (`op_rules.replicated_draw`).
+        value = op_rules.replicated_draw(stateless, mesh)(
+            shape=shape, key=tf.constant([seed % 2**64], tf.uint64),
+            counter=counter, alg=_PHILOX, **arguments)
         taken = tf.size(value, out_type=tf.int64) * _COUNTER_PER_ELEMENT
         counters.assign_add(tf.scatter_nd([[slot]], [taken], [SLOTS]))
-        if value.shape.rank is None:
-            return value
-        # Whole on every device, as plain Keras draws it (DTensor's rule
-        # for a split draw mixes each device's id into the key).
-        return dtensor.relayout(
-            value, dtensor.Layout.replicated(mesh, value.shape.rank))
+        return value
 
     # `gen_random_ops`'s wrappers, with their signatures.
     def random_standard_normal(shape, dtype, seed=0, seed2=0, name=None):
