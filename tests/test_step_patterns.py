@@ -16,6 +16,9 @@ back to plain Keras before.
   loss mixed into the update (it died with SIGSEGV; over channel splits,
   DTensor's second-order gradients come out wrong, so such a step trains
   under data parallelism over the same devices, with a warning).
+- keras.io's "Customizing what happens in fit()" guide's GAN: fake and
+  real images joined along the batch axis by `tf.concat` (DTensor
+  refuses to concatenate along a split dim; it trained as plain Keras).
 - keras.io's miniature GPT: a custom Transformer block whose causal mask
   is tiled to the batch with multiples built by `ops.concatenate` from
   `ops.shape` ("'tf.Tile' op ComputeLayoutForward error: requires output
@@ -128,6 +131,86 @@ def build_wgan_gp(mod, gradient_penalty=True):
     return model, (x, None)
 
 
+def build_guide_gan(mod):
+    """keras.io's "Customizing what happens in fit()" guide's GAN, small:
+    fake and real images joined along the batch axis by `tf.concat`
+    (DTensor: "Concat op SPMD with concat dimension in sharded dimension
+    is not supported"; the model trained as plain Keras), labels joined
+    the same way, `optimizer.apply`, loss trackers as `metrics`."""
+    latent = 4
+
+    def discriminator():
+        return mod.Sequential([
+            mod.Input((8, 8, 1)),
+            mod.layers.Conv2D(4, 3, strides=2, padding="same"),
+            mod.layers.LeakyReLU(negative_slope=0.2),
+            mod.layers.GlobalMaxPooling2D(),
+            mod.layers.Dense(1),
+        ], name="discriminator")
+
+    def generator():
+        return mod.Sequential([
+            mod.Input((latent,)),
+            mod.layers.Dense(4 * 4 * 4),
+            mod.layers.LeakyReLU(negative_slope=0.2),
+            mod.layers.Reshape((4, 4, 4)),
+            mod.layers.Conv2DTranspose(4, 4, strides=2, padding="same"),
+            mod.layers.LeakyReLU(negative_slope=0.2),
+            mod.layers.Conv2D(1, 3, padding="same", activation="sigmoid"),
+        ], name="generator")
+
+    class GAN(mod.Model):
+        def __init__(self):
+            super().__init__()
+            self.discriminator = discriminator()
+            self.generator = generator()
+            self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
+            self.g_loss_tracker = keras.metrics.Mean(name="g_loss")
+            self.seed_generator = keras.random.SeedGenerator(1337)
+
+        @property
+        def metrics(self):
+            return [self.d_loss_tracker, self.g_loss_tracker]
+
+        def compile(self, d_optimizer, g_optimizer, loss_fn):
+            super().compile()
+            self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+            self.loss_fn = loss_fn
+
+        def train_step(self, real_images):
+            if isinstance(real_images, tuple):
+                real_images = real_images[0]
+            batch_size = tf.shape(real_images)[0]
+            z = keras.random.normal((batch_size, latent),
+                                    seed=self.seed_generator)
+            combined = tf.concat([self.generator(z), real_images], axis=0)
+            labels = tf.concat([tf.ones((batch_size, 1)),
+                                tf.zeros((batch_size, 1))], axis=0)
+            labels += 0.05 * keras.random.uniform(
+                tf.shape(labels), seed=self.seed_generator)
+            with tf.GradientTape() as tape:
+                d_loss = self.loss_fn(labels, self.discriminator(combined))
+            weights = self.discriminator.trainable_weights
+            self.d_optimizer.apply(tape.gradient(d_loss, weights), weights)
+            z = keras.random.normal((batch_size, latent),
+                                    seed=self.seed_generator)
+            with tf.GradientTape() as tape:
+                g_loss = self.loss_fn(tf.zeros((batch_size, 1)),
+                                      self.discriminator(self.generator(z)))
+            weights = self.generator.trainable_weights
+            self.g_optimizer.apply(tape.gradient(g_loss, weights), weights)
+            self.d_loss_tracker.update_state(d_loss)
+            self.g_loss_tracker.update_state(g_loss)
+            return {"d_loss": self.d_loss_tracker.result(),
+                    "g_loss": self.g_loss_tracker.result()}
+
+    model = GAN()
+    model.compile(keras.optimizers.Adam(3e-4), keras.optimizers.Adam(3e-4),
+                  keras.losses.BinaryCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).random((SAMPLES, 8, 8, 1)).astype("float32")
+    return model, (x, None)
+
+
 def build_causal_gpt(mod):
     """keras.io's text_generation_with_miniature_gpt, small."""
     vocab, maxlen, embed = 50, 8, 16
@@ -228,6 +311,9 @@ class StepPatternsTest(unittest.TestCase):
 
     def test_wgan_gradient_penalty(self):
         train_both(self, "wgan_gp", build_wgan_gp)
+
+    def test_guide_gan_joins_batches_by_tf_concat(self):
+        train_both(self, "guide_gan", build_guide_gan)
 
     def test_gpt_causal_mask_tiled_to_the_batch(self):
         train_both(self, "gpt_causal_mask", build_causal_gpt)

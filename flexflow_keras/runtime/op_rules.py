@@ -13,8 +13,9 @@ equal to plain Keras:
   values up to the order of float sums); runs depthwise and separable
   convolutions with a gradient DTensor splits by the batch
   (`depthwise.py`: it has no rule for TensorFlow's); and gathers the inputs of a
-  `keras.ops.concatenate` along the batch axis first (DTensor refuses to
-  concatenate along a split dim: a GAN joining fake and real batches).
+  `tf.concat` (what `keras.ops.concatenate` calls) along the batch axis
+  first (DTensor refuses to concatenate along a split dim: a GAN joining
+  fake and real batches).
 - `substitutes` also makes `tf.argmax`/`argmin` (below) and every
   stateless random draw (`tf.random.
   stateless_*`, what `keras.random.*`, `Dropout`, `GaussianNoise` and
@@ -156,31 +157,50 @@ def computed_from_constants(x: Any, depth: int = 8) -> bool:
     return all(computed_from_constants(i, depth - 1) for i in op.inputs)
 
 
-def _concatenate_on(mesh: Any, keras_concatenate: Any) -> Any:
-    """Keras's `concatenate`; along the batch axis (a GAN joining fake and
-    real batches: DTensor refuses to concatenate along a split dim), its
-    inputs and output replicated. Other axes as Keras does (a graph's
-    Concatenate ops get their inputs laid out per op, never split along
-    the concat axis)."""
+def _static_axis(axis: Any) -> int | None:
+    """`axis` as a Python int, or None where it is known only at run
+    time."""
+    value = tf.get_static_value(axis) if tf.is_tensor(axis) else axis
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
 
-    def concatenate(xs, axis=0):
-        if axis != 0:
-            return keras_concatenate(xs, axis=axis)
-        xs = [tf.convert_to_tensor(x) for x in xs]
-        if all(computed_from_constants(x) for x in xs):
+
+def _concat_on(mesh: Any, concat: Any) -> Any:
+    """TensorFlow's `tf.concat`; along the batch axis, its inputs and
+    output replicated.
+
+    Why: DTensor refuses to concatenate along a split dim ("Concat op
+    SPMD with concat dimension in sharded dimension is not supported",
+    TF 2.21), and a GAN's own step joins its fake and real batches along
+    the batch axis, by `tf.concat` (keras.io's "Customizing what happens
+    in fit" guide, DCGAN) or by `keras.ops.concatenate`, which calls
+    `tf.concat` too. Along another axis it runs as TensorFlow does (a
+    graph's Concatenate ops get their inputs laid out per op, never
+    split along the concat axis)."""
+
+    def concatenated(values, axis, *args, **kwargs):
+        if not isinstance(values, (list, tuple)):
+            return concat(values, axis, *args, **kwargs)
+        xs = [tf.convert_to_tensor(x) for x in values]
+        rank = xs[0].shape.rank if xs else None
+        at = _static_axis(axis)
+        if not rank or at is None or at % rank != 0 or all(
+                computed_from_constants(x) for x in xs):
             # Constants (a shape vector: a causal mask's tile multiples)
             # are split nowhere; relaid, they would lose the static value
             # that DTensor's Tile and Reshape rules need.
-            return keras_concatenate(xs, axis=axis)
+            return concat(values, axis, *args, **kwargs)
 
         def whole(x):
             return dtensor.relayout(
                 x, dtensor.Layout.replicated(mesh, x.shape.rank)
             )
 
-        return whole(keras_concatenate([whole(x) for x in xs], axis=0))
+        return whole(concat([whole(x) for x in xs], axis, *args, **kwargs))
 
-    return concatenate
+    return concatenated
 
 
 # Stateless draws, by their name in `tf.random` (and in
@@ -384,9 +404,8 @@ def substitutes(mesh: Any) -> Iterator[None]:
     TensorFlow's."""
     saved = _draw_substitutes(mesh) + [
         (tf_numpy, "flip", flip_by_gather),
-        (tf_numpy, "concatenate", _concatenate_on(
-            mesh, tf_numpy.concatenate
-        )),
+        # `tf.concat` in a user's step, and `keras.ops.concatenate`.
+        (tf, "concat", _concat_on(mesh, tf.concat)),
         (tf_nn, "conv", _undilated(tf_nn.conv, "kernel")),
         (tf_nn, "depthwise_conv", _undilated(tf_nn.depthwise_conv,
                                              "kernel")),

@@ -41,6 +41,7 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
+from tensorflow.python.ops import array_ops
 from keras import tree
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.common.variables import AutocastScope
@@ -532,7 +533,9 @@ def _blocks(blocks: int, block: int, value: Any) -> Any:
 def _blocks_written(buffers: list, b: Any, per_step: list) -> list:
     """Each buffer with block `b` written: `per_step[k][i]` is step k's
     value for buffer i."""
-    return [_written(buffer, b, tf.concat(
+    # `array_ops.concat`, not `tf.concat`: these join time steps (axis 0
+    # is time here), which `op_rules`' batch-axis rule must not relay.
+    return [_written(buffer, b, array_ops.concat(
         [tf.expand_dims(values[i], 0) for values in per_step], 0))
         for i, buffer in enumerate(buffers)]
 
@@ -545,7 +548,7 @@ def _joined(buffers: list, per_step: list) -> list:
         shape = buffer.shape.as_list()
         parts = [tf.reshape(buffer, [shape[0] * shape[1]] + shape[2:])]
         parts += [tf.expand_dims(values[i], 0) for values in per_step]
-        joined.append(tf.concat(parts, 0) if len(parts) > 1 else parts[0])
+        joined.append(array_ops.concat(parts, 0) if len(parts) > 1 else parts[0])
     return joined
 
 
