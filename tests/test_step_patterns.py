@@ -19,6 +19,8 @@ back to plain Keras before.
 - keras.io's "Customizing what happens in fit()" guide's GAN: fake and
   real images joined along the batch axis by `tf.concat` (DTensor
   refuses to concatenate along a split dim; it trained as plain Keras).
+- A two-view step: the batch parted by `split` and repeated by `tile`,
+  which DTensor refuses along a split batch as well.
 - keras.io's miniature GPT: a custom Transformer block whose causal mask
   is tiled to the batch with multiples built by `ops.concatenate` from
   `ops.shape` ("'tf.Tile' op ComputeLayoutForward error: requires output
@@ -211,6 +213,52 @@ def build_guide_gan(mod):
     return model, (x, None)
 
 
+def build_two_views(mod):
+    """A two-view step (SimCLR, prior preservation): the batch joined to
+    a second view of itself by `keras.ops.concatenate`, the predictions
+    parted again by `keras.ops.split` and `tf.split`, the targets
+    repeated by `tf.tile` and `keras.ops.tile`. DTensor refuses split
+    and tile along a split batch."""
+
+    class TwoViews(mod.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden = mod.layers.Dense(16, activation="relu")
+            self.out = mod.layers.Dense(2)
+            self.tracker = keras.metrics.Mean(name="loss")
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+
+        @property
+        def metrics(self):
+            return [self.tracker]
+
+        def train_step(self, data):
+            x, y = data
+            views = keras.ops.concatenate([x, 0.5 * x], axis=0)
+            with tf.GradientTape() as tape:
+                both = self(views, training=True)
+                first, second = keras.ops.split(both, 2, axis=0)
+                _, last = tf.split(both, [3, tf.shape(both)[0] - 3])
+                loss = (
+                    tf.reduce_mean(tf.square(first - y))
+                    + tf.reduce_mean(tf.square(second - 2.0 * y))
+                    + tf.reduce_mean(tf.square(both - tf.tile(y, [2, 1])))
+                    + 0.1 * tf.reduce_mean(last)
+                    + 0.1 * tf.reduce_mean(keras.ops.tile(first, [3, 1])))
+            weights = self.trainable_weights
+            self.optimizer.apply(tape.gradient(loss, weights), weights)
+            self.tracker.update_state(loss)
+            return {"loss": self.tracker.result()}
+
+    model = TwoViews()
+    model.compile(optimizer="adam")
+    rng = np.random.default_rng(0)
+    return model, (rng.normal(size=(SAMPLES, 8)).astype("float32"),
+                   rng.normal(size=(SAMPLES, 2)).astype("float32"))
+
+
 def build_causal_gpt(mod):
     """keras.io's text_generation_with_miniature_gpt, small."""
     vocab, maxlen, embed = 50, 8, 16
@@ -314,6 +362,9 @@ class StepPatternsTest(unittest.TestCase):
 
     def test_guide_gan_joins_batches_by_tf_concat(self):
         train_both(self, "guide_gan", build_guide_gan)
+
+    def test_two_views_split_and_tiled_along_the_batch(self):
+        train_both(self, "two_views", build_two_views)
 
     def test_gpt_causal_mask_tiled_to_the_batch(self):
         train_both(self, "gpt_causal_mask", build_causal_gpt)

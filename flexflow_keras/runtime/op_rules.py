@@ -13,9 +13,9 @@ equal to plain Keras:
   values up to the order of float sums); runs depthwise and separable
   convolutions with a gradient DTensor splits by the batch
   (`depthwise.py`: it has no rule for TensorFlow's); and gathers the inputs of a
-  `tf.concat` (what `keras.ops.concatenate` calls) along the batch axis
-  first (DTensor refuses to concatenate along a split dim: a GAN joining
-  fake and real batches).
+  `tf.concat` (what `keras.ops.concatenate` calls), `tf.split` or
+  `tf.tile` along the batch axis first (DTensor refuses them along a
+  split dim: a GAN joining fake and real batches).
 - `substitutes` also makes `tf.argmax`/`argmin` (below) and every
   stateless random draw (`tf.random.
   stateless_*`, what `keras.random.*`, `Dropout`, `GaussianNoise` and
@@ -167,9 +167,21 @@ def _static_axis(axis: Any) -> int | None:
         return None
 
 
+def _relaid_whole(mesh: Any, x: Any) -> tf.Tensor:
+    """`x` replicated on every device of `mesh`."""
+    return dtensor.relayout(x, dtensor.Layout.replicated(mesh, x.shape.rank))
+
+
+def _on_batch_axis(axis: Any, rank: int | None) -> bool:
+    """Whether `axis` is the batch axis of a tensor of `rank` (or may
+    be: an axis known only at run time)."""
+    at = _static_axis(axis)
+    return bool(rank) and (at is None or at % rank == 0)
+
+
 def _concat_on(mesh: Any, concat: Any) -> Any:
     """TensorFlow's `tf.concat`; along the batch axis, its inputs and
-    output replicated.
+    output whole.
 
     Why: DTensor refuses to concatenate along a split dim ("Concat op
     SPMD with concat dimension in sharded dimension is not supported",
@@ -181,26 +193,63 @@ def _concat_on(mesh: Any, concat: Any) -> Any:
     split along the concat axis)."""
 
     def concatenated(values, axis, *args, **kwargs):
-        if not isinstance(values, (list, tuple)):
+        if not isinstance(values, (list, tuple)) or not values:
             return concat(values, axis, *args, **kwargs)
         xs = [tf.convert_to_tensor(x) for x in values]
-        rank = xs[0].shape.rank if xs else None
-        at = _static_axis(axis)
-        if not rank or at is None or at % rank != 0 or all(
+        if not _on_batch_axis(axis, xs[0].shape.rank) or all(
                 computed_from_constants(x) for x in xs):
             # Constants (a shape vector: a causal mask's tile multiples)
             # are split nowhere; relaid, they would lose the static value
             # that DTensor's Tile and Reshape rules need.
             return concat(values, axis, *args, **kwargs)
-
-        def whole(x):
-            return dtensor.relayout(
-                x, dtensor.Layout.replicated(mesh, x.shape.rank)
-            )
-
-        return whole(concat([whole(x) for x in xs], axis, *args, **kwargs))
+        return _relaid_whole(mesh, concat(
+            [_relaid_whole(mesh, x) for x in xs], axis, *args, **kwargs))
 
     return concatenated
+
+
+def _split_on(mesh: Any, split: Any) -> Any:
+    """TensorFlow's `tf.split` (what `keras.ops.split` calls); along the
+    batch axis, its input and outputs whole.
+
+    Why: DTensor refuses it over a split batch ("Spliting over sharded
+    dimension is not supported"; uneven sizes: "requires dimension 0 to
+    be divisible by sharding", measured, TF 2.21, 2 virtual CPUs): a
+    step that parts a batch it joined (a prior-preservation or
+    two-view loss)."""
+
+    def parted(value, num_or_size_splits, axis=0, *args, **kwargs):
+        value = tf.convert_to_tensor(value)
+        if not _on_batch_axis(axis, value.shape.rank) \
+                or computed_from_constants(value):
+            return split(value, num_or_size_splits, axis, *args, **kwargs)
+        return [_relaid_whole(mesh, part) for part in split(
+            _relaid_whole(mesh, value), num_or_size_splits, axis,
+            *args, **kwargs)]
+
+    return parted
+
+
+def _tile_on(mesh: Any, tile: Any) -> Any:
+    """TensorFlow's `tf.tile` (what `keras.ops.tile` calls); repeating
+    the batch axis, its input and output whole (`multiples` untouched:
+    DTensor's rule needs their static value).
+
+    Why: DTensor refuses it ("tile op with input sharded at dimension
+    where `multiple` > 1 is not supported", measured, TF 2.21)."""
+
+    def tiled(value, multiples, *args, **kwargs):
+        value = tf.convert_to_tensor(value)
+        times = (tf.get_static_value(multiples) if tf.is_tensor(multiples)
+                 else multiples)
+        first = None if times is None or not len(times) else times[0]
+        if not value.shape.rank or computed_from_constants(value) or (
+                _static_axis(first) == 1):
+            return tile(value, multiples, *args, **kwargs)
+        return _relaid_whole(mesh, tile(_relaid_whole(mesh, value),
+                                        multiples, *args, **kwargs))
+
+    return tiled
 
 
 # Stateless draws, by their name in `tf.random` (and in
@@ -404,8 +453,10 @@ def substitutes(mesh: Any) -> Iterator[None]:
     TensorFlow's."""
     saved = _draw_substitutes(mesh) + [
         (tf_numpy, "flip", flip_by_gather),
-        # `tf.concat` in a user's step, and `keras.ops.concatenate`.
+        # In a user's step, and through `keras.ops`: along the batch.
         (tf, "concat", _concat_on(mesh, tf.concat)),
+        (tf, "split", _split_on(mesh, tf.split)),
+        (tf, "tile", _tile_on(mesh, tf.tile)),
         (tf_nn, "conv", _undilated(tf_nn.conv, "kernel")),
         (tf_nn, "depthwise_conv", _undilated(tf_nn.depthwise_conv,
                                              "kernel")),
