@@ -21,6 +21,10 @@ back to plain Keras before.
   refuses to concatenate along a split dim; it trained as plain Keras).
 - A two-view step: the batch parted by `split` and repeated by `tile`,
   which DTensor refuses along a split batch as well.
+- A step whose metric selects rows by value (`tf.boolean_mask`,
+  `tf.where(cond)`): over a split batch DTensor gives each device its own
+  rows' indices and calls them split (the step failed; a bare function
+  computed a wrong mean).
 - keras.io's miniature GPT: a custom Transformer block whose causal mask
   is tiled to the batch with multiples built by `ops.concatenate` from
   `ops.shape` ("'tf.Tile' op ComputeLayoutForward error: requires output
@@ -259,6 +263,51 @@ def build_two_views(mod):
                    rng.normal(size=(SAMPLES, 2)).astype("float32"))
 
 
+def build_masked_metric(mod):
+    """A step that reports the loss of the rows a condition selects, by
+    `tf.boolean_mask` and `tf.where(cond)`. Over a split batch DTensor
+    gives each device its own rows' indices and calls them split: this
+    step's first run failed (the model trained as plain Keras), and in a
+    bare DTensor function the masked mean came out silently wrong."""
+
+    class Masked(mod.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden = mod.layers.Dense(16, activation="relu")
+            self.out = mod.layers.Dense(1)
+            self.tracker = keras.metrics.Mean(name="loss")
+            self.positive = keras.metrics.Mean(name="positive_loss")
+            self.rows = keras.metrics.Sum(name="row_sum")
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+
+        @property
+        def metrics(self):
+            return [self.tracker, self.positive, self.rows]
+
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                per_row = tf.reduce_mean(
+                    tf.square(self(x, training=True) - y), axis=1)
+                loss = tf.reduce_mean(per_row)
+            weights = self.trainable_weights
+            self.optimizer.apply(tape.gradient(loss, weights), weights)
+            selected = y[:, 0] > 0
+            self.tracker.update_state(loss)
+            self.positive.update_state(tf.boolean_mask(per_row, selected))
+            self.rows.update_state(tf.cast(
+                tf.reduce_sum(tf.where(selected)), "float32"))
+            return {m.name: m.result() for m in self.metrics}
+
+    model = Masked()
+    model.compile(optimizer="adam")
+    rng = np.random.default_rng(0)
+    return model, (rng.normal(size=(SAMPLES, 8)).astype("float32"),
+                   rng.normal(size=(SAMPLES, 1)).astype("float32"))
+
+
 def build_causal_gpt(mod):
     """keras.io's text_generation_with_miniature_gpt, small."""
     vocab, maxlen, embed = 50, 8, 16
@@ -365,6 +414,9 @@ class StepPatternsTest(unittest.TestCase):
 
     def test_two_views_split_and_tiled_along_the_batch(self):
         train_both(self, "two_views", build_two_views)
+
+    def test_rows_selected_by_value(self):
+        train_both(self, "masked_metric", build_masked_metric)
 
     def test_gpt_causal_mask_tiled_to_the_batch(self):
         train_both(self, "gpt_causal_mask", build_causal_gpt)
