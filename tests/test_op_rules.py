@@ -101,6 +101,42 @@ class OpRulesTest(unittest.TestCase):
                     x @ dense.kernel.numpy(), rtol=1e-5)
                 self.assertIs(op_rules.tf_numpy.matmul, keras_matmul)
 
+    def test_batch_axis_rules_gather_data_and_keep_weights(self):
+        # `tf.split/tile/concat` along dim 0 take a batch whole (DTensor
+        # refuses them along a split dim); a weight's dim 0 is not the
+        # batch, and its split elsewhere stays (a GRU's (2, 3 x units)
+        # bias, parted on axis 0, split on its units).
+        from tensorflow.experimental import dtensor
+
+        mesh = dtensor.create_mesh([("a0", 4)], device_type="CPU")
+        rows = dtensor.Layout(["a0", dtensor.UNSHARDED], mesh)
+        columns = dtensor.Layout([dtensor.UNSHARDED, "a0"], mesh)
+        values = np.arange(64, dtype=np.float32).reshape(8, 8)
+        batch = dtensor.relayout(dtensor.copy_to_mesh(
+            values, dtensor.Layout.replicated(mesh, 2)), rows)
+        weight = dtensor.DVariable(dtensor.relayout(dtensor.copy_to_mesh(
+            values[:2], dtensor.Layout.replicated(mesh, 2)), columns))
+
+        @tf.function
+        def step(x):
+            with op_rules.substitutes(mesh):
+                first, _ = tf.split(x, 2)
+                ones = tf.ones_like(first)
+                return (tf.concat([first, ones], 0), tf.tile(first, [2, 1]),
+                        tf.split(weight.read_value(), 2)[1])
+
+        joined, tiled, bias = step(batch)
+        np.testing.assert_array_equal(
+            dtensor.unpack(joined)[0].numpy(),
+            np.concatenate([values[:4], np.ones((4, 8))]))
+        np.testing.assert_array_equal(dtensor.unpack(tiled)[3].numpy(),
+                                      np.tile(values[:4], [2, 1]))
+        self.assertEqual(dtensor.fetch_layout(bias).sharding_specs,
+                         [dtensor.UNSHARDED, "a0"])
+        np.testing.assert_array_equal(
+            np.concatenate([t.numpy() for t in dtensor.unpack(bias)], 1),
+            values[1:2])
+
     def test_replicated_switch_is_set_unless_the_user_set_it(self):
         import os
 

@@ -159,6 +159,27 @@ def computed_from_constants(x: Any, depth: int = 8) -> bool:
     return all(computed_from_constants(i, depth - 1) for i in op.inputs)
 
 
+def read_from_variables(x: Any, depth: int = 4) -> bool:
+    """Whether graph tensor `x` is a variable's value (read, then cast,
+    copied or reshaped): a weight, whose dim 0 is not the batch (a GRU's
+    bias of shape (2, 3 x units), parted by `ops.split` on axis 0)."""
+    op = getattr(x, "op", None)
+    if op is None:
+        return isinstance(x, tf.Variable)
+    if op.type in ("ReadVariableOp", "VarHandleOp"):
+        return True
+    if depth == 0 or op.type not in ("Identity", "Cast", "Reshape",
+                                     "DTensorLayout", "Relayout"):
+        return False
+    return read_from_variables(op.inputs[0], depth - 1)
+
+
+def _batch_data(x: Any) -> bool:
+    """Whether `x` may hold a batch along dim 0: neither computed from
+    constants and shapes (a shape vector) nor a weight."""
+    return not computed_from_constants(x) and not read_from_variables(x)
+
+
 def _static_axis(axis: Any) -> int | None:
     """`axis` as a Python int, or None where it is known only at run
     time."""
@@ -198,11 +219,12 @@ def _concat_on(mesh: Any, concat: Any) -> Any:
         if not isinstance(values, (list, tuple)) or not values:
             return concat(values, axis, *args, **kwargs)
         xs = [tf.convert_to_tensor(x) for x in values]
-        if not _on_batch_axis(axis, xs[0].shape.rank) or all(
-                computed_from_constants(x) for x in xs):
+        if not _on_batch_axis(axis, xs[0].shape.rank) or not any(
+                _batch_data(x) for x in xs):
             # Constants (a shape vector: a causal mask's tile multiples)
             # are split nowhere; relaid, they would lose the static value
-            # that DTensor's Tile and Reshape rules need.
+            # that DTensor's Tile and Reshape rules need. Weights keep
+            # their layouts.
             return concat(values, axis, *args, **kwargs)
         return _relaid_whole(mesh, concat(
             [_relaid_whole(mesh, x) for x in xs], axis, *args, **kwargs))
@@ -223,7 +245,7 @@ def _split_on(mesh: Any, split: Any) -> Any:
     def parted(value, num_or_size_splits, axis=0, *args, **kwargs):
         value = tf.convert_to_tensor(value)
         if not _on_batch_axis(axis, value.shape.rank) \
-                or computed_from_constants(value):
+                or not _batch_data(value):
             return split(value, num_or_size_splits, axis, *args, **kwargs)
         return [_relaid_whole(mesh, part) for part in split(
             _relaid_whole(mesh, value), num_or_size_splits, axis,
@@ -245,7 +267,7 @@ def _tile_on(mesh: Any, tile: Any) -> Any:
         times = (tf.get_static_value(multiples) if tf.is_tensor(multiples)
                  else multiples)
         first = None if times is None or not len(times) else times[0]
-        if not value.shape.rank or computed_from_constants(value) or (
+        if not value.shape.rank or not _batch_data(value) or (
                 _static_axis(first) == 1):
             return tile(value, multiples, *args, **kwargs)
         return _relaid_whole(mesh, tile(_relaid_whole(mesh, value),
