@@ -22,9 +22,8 @@ back to plain Keras before.
 - A two-view step: the batch parted by `split` and repeated by `tile`,
   which DTensor refuses along a split batch as well.
 - A step whose metric selects rows by value (`tf.boolean_mask`,
-  `tf.where(cond)`): over a split batch DTensor gives each device its own
-  rows' indices and calls them split (the step failed; a bare function
-  computed a wrong mean).
+  `tf.where(cond)`) trains as plain Keras, said once, never a wrong
+  metric: DTensor fails its first run.
 - keras.io's miniature GPT: a custom Transformer block whose causal mask
   is tiled to the batch with multiples built by `ops.concatenate` from
   `ops.shape` ("'tf.Tile' op ComputeLayoutForward error: requires output
@@ -49,7 +48,7 @@ from flexflow_keras.runtime import step
 from flexflow_keras.strategy import ParallelConfig, Strategy
 from flexflow_keras.strategy_files import save_strategy
 
-from test_own_step import SAMPLES, train_both
+from test_own_step import BATCH, EPOCHS, SAMPLES, SEARCH, train_both
 
 
 def build_wgan_gp(mod, gradient_penalty=True):
@@ -266,9 +265,12 @@ def build_two_views(mod):
 def build_masked_metric(mod):
     """A step that reports the loss of the rows a condition selects, by
     `tf.boolean_mask` and `tf.where(cond)`. Over a split batch DTensor
-    gives each device its own rows' indices and calls them split: this
-    step's first run failed (the model trained as plain Keras), and in a
-    bare DTensor function the masked mean came out silently wrong."""
+    gives each device its own rows' indices and calls them split (in a
+    bare DTensor function the masked mean came out wrong, 8.5 against
+    14.5); in a step the first run fails, and the model trains as plain
+    Keras, with a warning. Taking the condition whole fixed this step
+    but broke Keras's own union of a table's sparse gradients (keras.io's
+    English-Spanish Transformer), so it is not done."""
 
     class Masked(mod.Model):
         def __init__(self):
@@ -415,8 +417,24 @@ class StepPatternsTest(unittest.TestCase):
     def test_two_views_split_and_tiled_along_the_batch(self):
         train_both(self, "two_views", build_two_views)
 
-    def test_rows_selected_by_value(self):
-        train_both(self, "masked_metric", build_masked_metric)
+    def test_rows_selected_by_value_train_as_plain_keras_said_once(self):
+        keras.utils.set_random_seed(7)
+        plain, (x, y) = build_masked_metric(keras)
+        keras.utils.set_random_seed(7)
+        with SEARCH:
+            ours, _ = build_masked_metric(fk)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = ours.fit(x, y, batch_size=BATCH, epochs=EPOCHS,
+                               shuffle=False, verbose=0).history
+        said = [str(w.message) for w in caught
+                if "trains as plain Keras" in str(w.message)]
+        self.assertEqual(len(said), 1, said)
+        expected = plain.fit(x, y, batch_size=BATCH, epochs=EPOCHS,
+                             shuffle=False, verbose=0).history
+        for key in expected:
+            np.testing.assert_allclose(history[key], expected[key],
+                                       rtol=1e-5, err_msg=key)
 
     def test_gpt_causal_mask_tiled_to_the_batch(self):
         train_both(self, "gpt_causal_mask", build_causal_gpt)

@@ -64,9 +64,7 @@ import tensorflow as tf
 from keras import tree
 from tensorflow.experimental import dtensor
 from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import (
-    gen_array_ops, gen_math_ops, stateless_random_ops,
-)
+from tensorflow.python.ops import gen_math_ops, stateless_random_ops
 from keras.src.backend.tensorflow import nn as tf_nn
 from keras.src.backend.tensorflow import numpy as tf_numpy
 
@@ -256,8 +254,8 @@ def _split_on(mesh: Any, split: Any) -> Any:
 
 def _tile_on(mesh: Any, tile: Any) -> Any:
     """TensorFlow's `tf.tile` (what `keras.ops.tile` calls); repeating
-    the batch axis, its input and output whole (`multiples` untouched:
-    DTensor's rule needs their static value).
+    the batch axis, its input whole (`multiples` untouched: DTensor's
+    rule needs their static value).
 
     Why: DTensor refuses it ("tile op with input sharded at dimension
     where `multiple` > 1 is not supported", measured, TF 2.21)."""
@@ -270,32 +268,13 @@ def _tile_on(mesh: Any, tile: Any) -> Any:
         if not value.shape.rank or not _batch_data(value) or (
                 _static_axis(first) == 1):
             return tile(value, multiples, *args, **kwargs)
-        return _relaid_whole(mesh, tile(_relaid_whole(mesh, value),
-                                        multiples, *args, **kwargs))
+        # The output's layout stays DTensor's to choose: forced whole,
+        # a consumer split on a batch dim of unknown size would need an
+        # all-scatter DTensor cannot do ("requires slice on input axis 0
+        # which is dynamic").
+        return tile(_relaid_whole(mesh, value), multiples, *args, **kwargs)
 
     return tiled
-
-
-def _where_on(mesh: Any, where: Any) -> Any:
-    """TensorFlow's one-argument `Where` (the indices of true elements:
-    `tf.where(cond)`, `tf.boolean_mask`, `keras.ops.nonzero`) with its
-    condition and output whole.
-
-    Why: over a split batch DTensor gives each device the indices of its
-    own part and calls them split, a silently wrong result: the mean of
-    `tf.boolean_mask(x, x[:, 0] > 5)` over rows 0-7 came out 8.5 against
-    14.5 (measured, TF 2.21, 2 virtual CPUs). Whole, it is right; what
-    follows may still fail loudly, as DTensor needs static shapes (a
-    gradient through the mask: "value shape is not static")."""
-
-    def indices(condition, name=None):
-        condition = tf.convert_to_tensor(condition)
-        if not condition.shape.rank:
-            return where(condition=condition, name=name)
-        return _relaid_whole(mesh, where(
-            condition=_relaid_whole(mesh, condition), name=name))
-
-    return indices
 
 
 # Stateless draws, by their name in `tf.random` (and in
@@ -503,7 +482,6 @@ def substitutes(mesh: Any) -> Iterator[None]:
         (tf, "concat", _concat_on(mesh, tf.concat)),
         (tf, "split", _split_on(mesh, tf.split)),
         (tf, "tile", _tile_on(mesh, tf.tile)),
-        (gen_array_ops, "where", _where_on(mesh, gen_array_ops.where)),
         (tf_nn, "conv", _undilated(tf_nn.conv, "kernel")),
         (tf_nn, "depthwise_conv", _undilated(tf_nn.depthwise_conv,
                                              "kernel")),
