@@ -22,6 +22,7 @@ from keras.src.models.model import Trainer as KerasTrainer
 from keras.src.models.model import functional_init_arguments
 from keras.src.saving import serialization_lib
 
+from flexflow_keras import own_loops
 from flexflow_keras import settings as settings_lib
 from flexflow_keras import user_random
 from flexflow_keras.keras_graph import (
@@ -35,8 +36,15 @@ _OUR_COMPILE_ARGS = settings_lib.FIELDS + ("batch_size",)
 _KERAS_DEFAULT_BATCH_SIZE = 32
 
 
+@own_loops.mark_entry_points
 class _PlanningModel(StrategyTrainer):
     """compile()/fit() glue shared by `Model` and `Sequential`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # A call under a gradient tape outside fit() and the like: a
+        # training loop of the user's own, said once (`own_loops`).
+        own_loops.note_call(self)
+        return super().__call__(*args, **kwargs)
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """`keras.Model.compile`, plus the parallelization settings.

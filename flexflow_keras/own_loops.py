@@ -1,0 +1,90 @@
+"""A training loop of the user's own, said once per model.
+
+The package parallelizes what runs through a model's `compile()`,
+`fit()`, `evaluate()` and `predict()` (and `train_on_batch` and the
+like): the step it traces there runs under the searched strategy. A
+script that trains by its own loop instead (keras.io's "Writing a
+training loop from scratch": `model(x, training=True)` under a
+`tf.GradientTape`, then `optimizer.apply`) calls the model directly;
+nothing of the package is involved, and that loop runs as plain Keras on
+one device. Without a word, a user who changed the import would take it
+for parallel training, so the first such call of each model says it,
+with the way to be served: move the step into `train_step`.
+
+A call counts as a loop's when a gradient tape is recording and no
+package entry point of any model is running in this thread (inside
+`fit()`, a GAN's own step calls its sub-models under tapes: those run
+under the strategy, or as plain Keras with the fallback's own warning).
+"""
+
+import contextlib
+import contextvars
+import functools
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from tensorflow.python.eager import record
+
+# How many package entry points are running in this context.
+_DEPTH = contextvars.ContextVar("flexflow_keras_entry_depth", default=0)
+
+# Models whose loop was said.
+_SAID: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+# Model methods whose work is the package's: a model called inside them
+# is called by the package's step, its search or its probes.
+ENTRY_POINTS = ("compile", "fit", "evaluate", "predict", "train_on_batch",
+                "test_on_batch", "predict_on_batch")
+
+
+@contextlib.contextmanager
+def entered() -> Iterator[None]:
+    """Marks the package's own work for the calls made inside it."""
+    token = _DEPTH.set(_DEPTH.get() + 1)
+    try:
+        yield
+    finally:
+        _DEPTH.reset(token)
+
+
+def mark_entry_points(cls: type) -> type:
+    """`cls` with each of `ENTRY_POINTS` run inside `entered()`: its own
+    method, or the next class's in the instance's method order."""
+    for name in ENTRY_POINTS:
+        own = cls.__dict__.get(name)
+        setattr(cls, name, _entered(cls, name, own))
+    return cls
+
+
+def _entered(cls: type, name: str, own: Any) -> Any:
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with entered():
+            if own is not None:
+                return own(self, *args, **kwargs)
+            return getattr(super(cls, self), name)(*args, **kwargs)
+
+    if own is not None:
+        functools.update_wrapper(run, own)
+    else:
+        run.__name__ = name
+    return run
+
+
+def note_call(model: Any) -> None:
+    """Warns once per model when `model` is called under a recording
+    gradient tape outside every package entry point."""
+    if _DEPTH.get() or model in _SAID or not record.could_possibly_record():
+        return
+    _SAID.add(model)
+    warnings.warn(
+        f"Model '{model.name}' is called under a tf.GradientTape outside "
+        "fit(): a training loop of your own runs as plain Keras on one "
+        "device, not under a searched strategy. flexflow_keras "
+        "parallelizes compile()/fit()/evaluate()/predict(); to train "
+        "under a strategy, put the loop's step in the model's "
+        "`train_step` and call fit() (keras.io's guide 'Customizing what "
+        "happens in fit()').",
+        stacklevel=3,
+    )
