@@ -217,6 +217,12 @@ class _PlanningModel(StrategyTrainer):
             state.plan = plan
 
 
+def _tf_distribute_strategy(model: Any) -> Any:
+    """The `tf.distribute` strategy `model` was built under (Keras keeps
+    it and runs every step through it), or None."""
+    return getattr(model, "_distribute_strategy", None)
+
+
 def _why_plain_keras(model: Any) -> str | None:
     """Why `model` must train as plain Keras (one device), or None."""
     from flexflow_keras.keras_graph import has_graph
@@ -224,6 +230,17 @@ def _why_plain_keras(model: Any) -> str | None:
     state = state_of(model)
     if state.runtime_failure is not None:
         return state.runtime_failure
+    strategy = _tf_distribute_strategy(model)
+    if strategy is not None:
+        return (
+            f"Model '{model.name}' trains as plain Keras under the script's "
+            f"tf.distribute.{type(strategy).__name__}: it was built inside "
+            "that strategy's scope, which hands the devices to TensorFlow's "
+            "own replicas (mirrored variables, batches split by "
+            "TensorFlow). Build, compile and fit the model outside "
+            "`strategy.scope()` to train under a searched strategy: "
+            "flexflow_keras places it on the devices itself."
+        )
     if getattr(model, "run_eagerly", False):
         return (
             f"Model '{model.name}' trains as plain Keras on one device: it "

@@ -12,14 +12,14 @@ for parallel training, so the first such call of each model says it,
 with the way to be served: move the step into `train_step`.
 
 A call counts as a loop's when a gradient tape is recording and no
-package entry point of any model is running in this thread (inside
+package entry point of any model is running (inside
 `fit()`, a GAN's own step calls its sub-models under tapes: those run
 under the strategy, or as plain Keras with the fallback's own warning).
 """
 
 import contextlib
-import contextvars
 import functools
+import threading
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -27,8 +27,11 @@ from typing import Any
 
 from tensorflow.python.eager import record
 
-# How many package entry points are running in this context.
-_DEPTH = contextvars.ContextVar("flexflow_keras_entry_depth", default=0)
+# How many package entry points are running, in any thread: a process
+# count, not a per-thread one, because Keras's steps may run on other
+# threads (a tf.distribute strategy's replica threads).
+_depth = 0
+_lock = threading.Lock()
 
 # Models whose loop was said.
 _SAID: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -42,11 +45,14 @@ ENTRY_POINTS = ("compile", "fit", "evaluate", "predict", "train_on_batch",
 @contextlib.contextmanager
 def entered() -> Iterator[None]:
     """Marks the package's own work for the calls made inside it."""
-    token = _DEPTH.set(_DEPTH.get() + 1)
+    global _depth
+    with _lock:
+        _depth += 1
     try:
         yield
     finally:
-        _DEPTH.reset(token)
+        with _lock:
+            _depth -= 1
 
 
 def mark_entry_points(cls: type) -> type:
@@ -75,7 +81,7 @@ def _entered(cls: type, name: str, own: Any) -> Any:
 def note_call(model: Any) -> None:
     """Warns once per model when `model` is called under a recording
     gradient tape outside every package entry point."""
-    if _DEPTH.get() or model in _SAID or not record.could_possibly_record():
+    if _depth or model in _SAID or not record.could_possibly_record():
         return
     _SAID.add(model)
     warnings.warn(
