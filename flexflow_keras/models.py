@@ -64,15 +64,16 @@ class _PlanningModel(StrategyTrainer):
         """
         ours = {k: kwargs.pop(k) for k in _OUR_COMPILE_ARGS if k in kwargs}
         batch_size = ours.pop("batch_size", None)
-        super().compile(*args, **kwargs)
-        state = state_of(self)
-        state.settings = settings_lib.resolve(ours)
-        state.plans, state.plan = {}, None
-        if batch_size is None:
-            batch_size = self._static_batch_size()
-        if batch_size is not None:
-            with user_random.kept():
-                self._ensure_plan(int(batch_size))
+        with own_loops.entered():
+            super().compile(*args, **kwargs)
+            state = state_of(self)
+            state.settings = settings_lib.resolve(ours)
+            state.plans, state.plan = {}, None
+            if batch_size is None:
+                batch_size = self._static_batch_size()
+            if batch_size is not None:
+                with user_random.kept():
+                    self._ensure_plan(int(batch_size))
 
     def compile_from_config(self, config: dict) -> None:
         """Recompiles a loaded model (Keras skips overridden compile())."""
@@ -97,16 +98,17 @@ class _PlanningModel(StrategyTrainer):
         *args: Any, **kwargs: Any,
     ) -> Any:
         state = state_of(self)
-        if state.settings is not None:
-            found, x = _peek_batch(x, batch_size)
-            if (not self.built and found.input_shape is not None
-                    and not is_subclassed(self)):
-                self.build(found.input_shape)  # as Keras's fit would
-            with user_random.kept():
-                if needs_trace(self) and state.trace_failure is None:
-                    self._trace(found)
-                self._ensure_plan(found.batch_size)
-        return super().fit(x, y, batch_size, *args, **kwargs)
+        with own_loops.entered():
+            if state.settings is not None:
+                found, x = _peek_batch(x, batch_size)
+                if (not self.built and found.input_shape is not None
+                        and not is_subclassed(self)):
+                    self.build(found.input_shape)  # as Keras's fit would
+                with user_random.kept():
+                    if needs_trace(self) and state.trace_failure is None:
+                        self._trace(found)
+                    self._ensure_plan(found.batch_size)
+            return super().fit(x, y, batch_size, *args, **kwargs)
 
     def summary(self, *args: Any, **kwargs: Any) -> None:
         """Keras's summary, then each op's config and simulated time."""

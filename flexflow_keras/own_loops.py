@@ -18,7 +18,6 @@ under the strategy, or as plain Keras with the fallback's own warning).
 """
 
 import contextlib
-import functools
 import threading
 import warnings
 import weakref
@@ -56,25 +55,22 @@ def entered() -> Iterator[None]:
 
 
 def mark_entry_points(cls: type) -> type:
-    """`cls` with each of `ENTRY_POINTS` run inside `entered()`: its own
-    method, or the next class's in the instance's method order."""
+    """`cls` with each of `ENTRY_POINTS` it inherits run inside
+    `entered()`. Those it defines itself enter in their own bodies: a
+    wrapper's frame would shift the `stacklevel` of the warnings they
+    give onto this module instead of the user's line."""
     for name in ENTRY_POINTS:
-        own = cls.__dict__.get(name)
-        setattr(cls, name, _entered(cls, name, own))
+        if name not in cls.__dict__:
+            setattr(cls, name, _entered(cls, name))
     return cls
 
 
-def _entered(cls: type, name: str, own: Any) -> Any:
+def _entered(cls: type, name: str) -> Any:
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         with entered():
-            if own is not None:
-                return own(self, *args, **kwargs)
             return getattr(super(cls, self), name)(*args, **kwargs)
 
-    if own is not None:
-        functools.update_wrapper(run, own)
-    else:
-        run.__name__ = name
+    run.__name__ = run.__qualname__ = name
     return run
 
 
