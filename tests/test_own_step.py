@@ -416,10 +416,10 @@ SEARCH = mock.patch.dict(os.environ, {
 })
 
 
-def train_both(test, name, build=None):
-    """Trains feature `name` (of `FEATURES`, or made by `build(module)`)
-    both ways; asserts the issue's conditions. Returns our model."""
-    build = build or FEATURES[name]
+def fit_both(build):
+    """The model `build(module)` makes, fit from the same seed on plain
+    Keras and on ours: (plain model, our model, plain history, our
+    history, the messages of our fit's "plain Keras" warnings)."""
     keras.utils.set_random_seed(7)
     plain, (x, y) = build(keras)
     keras.utils.set_random_seed(7)
@@ -433,8 +433,16 @@ def train_both(test, name, build=None):
     plain_history = plain.fit(
         x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0
     ).history
-    plain_warnings = [str(w.message) for w in caught
-                      if "plain Keras" in str(w.message)]
+    said = [str(w.message) for w in caught
+            if "plain Keras" in str(w.message)]
+    return plain, ours, plain_history, ours_history, said
+
+
+def train_both(test, name, build=None):
+    """Trains feature `name` (of `FEATURES`, or made by `build(module)`)
+    both ways; asserts the issue's conditions. Returns our model."""
+    plain, ours, plain_history, ours_history, plain_warnings = fit_both(
+        build or FEATURES[name])
     test.assertEqual(plain_warnings, [])
     devices = {d for c in ours.strategy.values() for d in c.device_ids}
     test.assertGreater(len(devices), 1, ours.strategy)
