@@ -178,10 +178,10 @@ def _batch_data(x: Any) -> bool:
     return not computed_from_constants(x) and not read_from_variables(x)
 
 
-def _static_axis(axis: Any) -> int | None:
-    """`axis` as a Python int, or None where it is known only at run
-    time."""
-    value = tf.get_static_value(axis) if tf.is_tensor(axis) else axis
+def _static_int(x: Any) -> int | None:
+    """`x` (an axis, a multiple) as a Python int, or None where it is
+    known only at run time."""
+    value = tf.get_static_value(x) if tf.is_tensor(x) else x
     try:
         return int(value)
     except (TypeError, ValueError):
@@ -196,7 +196,7 @@ def _relaid_whole(mesh: Any, x: Any) -> tf.Tensor:
 def _on_batch_axis(axis: Any, rank: int | None) -> bool:
     """Whether `axis` is the batch axis of a tensor of `rank` (or may
     be: an axis known only at run time)."""
-    at = _static_axis(axis)
+    at = _static_int(axis)
     return bool(rank) and (at is None or at % rank == 0)
 
 
@@ -266,7 +266,7 @@ def _tile_on(mesh: Any, tile: Any) -> Any:
                  else multiples)
         first = None if times is None or not len(times) else times[0]
         if not value.shape.rank or not _batch_data(value) or (
-                _static_axis(first) == 1):
+                _static_int(first) == 1):
             return tile(value, multiples, *args, **kwargs)
         # The output's layout stays DTensor's to choose: forced whole,
         # a consumer split on a batch dim of unknown size would need an
@@ -301,9 +301,7 @@ def replicated_draw(draw: Any, mesh: Any) -> Any:
     def run(*args, **kwargs):
         def whole(value):
             if isinstance(value, tf.Tensor) and value.shape.rank is not None:
-                return dtensor.relayout(
-                    value, dtensor.Layout.replicated(mesh, value.shape.rank)
-                )
+                return _relaid_whole(mesh, value)
             return value
 
         return tree.map_structure(whole, draw(*args, **kwargs))
@@ -327,9 +325,7 @@ def whole_on(mesh: Any, op: Any) -> Any:
     def whole(value):
         # a scalar (top_k's `k` as a tensor) is whole already
         if isinstance(value, tf.Tensor) and value.shape.rank:
-            return dtensor.relayout(
-                value, dtensor.Layout.replicated(mesh, value.shape.rank)
-            )
+            return _relaid_whole(mesh, value)
         return value
 
     def run(*args, **kwargs):
