@@ -548,7 +548,8 @@ def _joined(buffers: list, per_step: list) -> list:
         shape = buffer.shape.as_list()
         parts = [tf.reshape(buffer, [shape[0] * shape[1]] + shape[2:])]
         parts += [tf.expand_dims(values[i], 0) for values in per_step]
-        joined.append(array_ops.concat(parts, 0) if len(parts) > 1 else parts[0])
+        joined.append(array_ops.concat(parts, 0) if len(parts) > 1
+                      else parts[0])
     return joined
 
 
