@@ -557,7 +557,7 @@ class TfDistributeScopeTest(unittest.TestCase):
                     if "plain Keras" in str(w.message)]
             return model, history, said
 
-        plain, expected, _ = run(keras, True)
+        _, expected, _ = run(keras, True)
         ours, history, said = run(flexflow_keras, True)
         self.assertEqual(len(said), 1, said)
         self.assertIn("tf.distribute.MirroredStrategy", said[0])
