@@ -101,26 +101,27 @@ def input_region(op: Op, index: int, out_rect: Rect) -> Rect:
 
 
 def tensor_rects(
-    op: Op, output: int, config: ParallelConfig
+    op: Op, output: int, dims: tuple[int, ...]
 ) -> list[Rect | None]:
-    """What each part of `op` holds of its output `output`.
+    """What each part of `op` holds of its output `output` when its
+    config splits it `dims`.
 
     Output 0 is split by `dims`. Another output of the same rank is split
     alike (scaled); one of another rank is held whole by part 0.
     """
     shape = op.output_shapes[output]
     if output == 0:
-        return part_rects(shape, config.dims)
+        return part_rects(shape, dims)
     base = op.output_shape
     if len(shape) != len(base):
         full = tuple((0, n) for n in shape)
-        return [full] + [None] * (config.num_parts - 1)
+        return [full] + [None] * (math.prod(dims) - 1)
     return [
         tuple(
             (lo * n // m, max(-(-hi * n // m), lo * n // m + 1))
             for (lo, hi), n, m in zip(r, shape, base)
         )
-        for r in part_rects(base, config.dims)
+        for r in part_rects(base, dims)
     ]
 
 
