@@ -136,6 +136,70 @@ def build_wgan_gp(mod, gradient_penalty=True):
     return model, (x, None)
 
 
+def build_constant_kernels(mod):
+    """keras.io's Zero-DCE, small: a loss object whose `__init__` makes
+    `tf.constant` difference kernels that its `call` convolves with, in
+    a `train_step` of the model's own, and a layer that scales by a
+    module-level constant. The step captures those eager tensors, and
+    DTensor refused them ("got a regular tensor for input 15 (shape
+    [1,3,1,3]) but was expecting a DTensor"): the model trained as plain
+    Keras."""
+    scale = tf.constant([0.5, 1.0, 2.0, 4.0])
+
+    class Scaled(mod.layers.Layer):
+        def call(self, x):
+            return x * scale
+
+    class SpatialLoss(keras.losses.Loss):
+        def __init__(self):
+            super().__init__(reduction="none")
+            self.left = tf.constant([[[[0.0]], [[-1.0]], [[1.0]]]])
+            self.up = tf.constant([[[[0.0]]], [[[-1.0]]], [[[1.0]]]])
+
+        def call(self, y_true, y_pred):
+            mean_true = tf.reduce_mean(y_true, 3, keepdims=True)
+            mean_pred = tf.reduce_mean(y_pred, 3, keepdims=True)
+            loss = 0.0
+            for kernel in (self.left, self.up):
+                d_true = tf.nn.conv2d(mean_true, kernel, 1, "SAME")
+                d_pred = tf.nn.conv2d(mean_pred, kernel, 1, "SAME")
+                loss += tf.reduce_mean(tf.square(d_true - d_pred), [1, 2, 3])
+            return loss
+
+    class Enhancer(mod.Model):
+        def compile(self, **kwargs):
+            super().compile(**kwargs)
+            self.spatial = SpatialLoss()
+            self.total = keras.metrics.Mean(name="total_loss")
+
+        @property
+        def metrics(self):
+            return [self.total]
+
+        def train_step(self, data):
+            x = data[0] if isinstance(data, tuple) else data
+            with tf.GradientTape() as tape:
+                enhanced = self(x, training=True)
+                loss = tf.reduce_mean(self.spatial(x, enhanced)) + (
+                    tf.reduce_mean(tf.abs(enhanced - x)))
+            grads = tape.gradient(loss, self.trainable_weights)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+            self.total.update_state(loss)
+            return {"total_loss": self.total.result()}
+
+    inputs = mod.Input((8, 8, 3))
+    h = mod.layers.Conv2D(4, 3, padding="same", activation="relu",
+                          name="c1")(inputs)
+    h = Scaled(name="scaled")(h)
+    outputs = mod.layers.Conv2D(3, 3, padding="same", activation="tanh",
+                                name="c2")(h)
+    model = Enhancer(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3))
+    x = np.random.default_rng(3).random((SAMPLES, 8, 8, 3)).astype(
+        "float32")
+    return model, (x, None)
+
+
 def build_guide_gan(mod):
     """keras.io's "Customizing what happens in fit()" guide's GAN, small:
     fake and real images joined along the batch axis by `tf.concat`
@@ -424,6 +488,9 @@ class StepPatternsTest(unittest.TestCase):
         for key in expected:
             np.testing.assert_allclose(history[key], expected[key],
                                        rtol=1e-5, err_msg=key)
+
+    def test_constants_captured_by_a_step_and_a_layer(self):
+        train_both(self, "constant_kernels", build_constant_kernels)
 
     def test_gpt_causal_mask_tiled_to_the_batch(self):
         train_both(self, "gpt_causal_mask", build_causal_gpt)

@@ -54,8 +54,8 @@ from flexflow_keras.runtime.layouts import OpPlan, replicated
 from flexflow_keras.runtime.support import overrides_step
 from flexflow_keras.runtime.tracing import step_function
 from flexflow_keras.runtime.variables import (
-    Transfers, argument_constants, attributes_set, gather, layer_constants,
-    padded, replicate, to_layout, unpadded,
+    Transfers, argument_constants, attributes_set, captures_on_mesh, gather,
+    layer_constants, padded, replicate, to_layout, unpadded,
 )
 
 
@@ -577,9 +577,9 @@ class ModelStepExecutor:
                     lambda v: _replicated_output(v, self.mesh), outputs
                 ))
 
-            traced.get_concrete_function(_specs(
+            captures_on_mesh(traced.get_concrete_function(_specs(
                 data.values, self._static_batch or self.loops.recurrent
-            ), data.shapes)
+            ), data.shapes), self.mesh)
             return _StepFunction(traced, kind)
 
         # A first run DTensor refuses for a loop function's name is

@@ -63,16 +63,20 @@ from flexflow_keras.runtime import dtensor_passes, op_rules
 from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.tracing import without_memory_rewrites
 from flexflow_keras.runtime.variables import attributes_set
-from flexflow_keras.runtime.variables import layer_constants
+from flexflow_keras.runtime.variables import (
+    captures_on_mesh, layer_constants,
+)
 from flexflow_keras.runtime.variables import replicate
 
 DEFAULT_CACHE_PATH = os.path.join(disk_cache.CACHE_DIR, "capabilities.json")
 PROBE_BATCH = 4
 _MAX_SWITCHES = 4  # ops turned replicated before a probe gives up
 # In the cache key: results of earlier probes (which ran layers without
-# their replicated constants or string inputs, or before slices with
-# run-time bounds were rewritten: `op_rules.plain_slice`) are not reused.
-_PROBE_VERSION = "probe3"
+# their replicated constants or string inputs, before slices with
+# run-time bounds were rewritten: `op_rules.plain_slice`, or before
+# captured constants were copied: `variables.captures_on_mesh`) are not
+# reused.
+_PROBE_VERSION = "probe4"
 _MISSING_RULE = re.compile(r"'tf\.(\w+)' op does not implement")
 
 
@@ -288,6 +292,8 @@ def _forward_backward(
         else contextlib.nullcontext()
     ):
         concrete = function.get_concrete_function(specs, weights, states)
+        if mesh is not None:
+            captures_on_mesh(concrete, mesh)
         if run:  # as the runtime calls its steps (`tracing.py`)
             with without_memory_rewrites():
                 concrete(xs, weights, states)

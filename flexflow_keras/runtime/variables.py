@@ -293,6 +293,29 @@ def layer_constants(layer: Any, mesh: Any) -> list[tuple[Any, str, Any]]:
     return found
 
 
+def captures_on_mesh(concrete: Any, mesh: Any) -> None:
+    """Gives a traced function replicated DTensor copies on `mesh` of the
+    regular tensors it captured (a `tf.constant` a loss object made in
+    its `__init__`, a module-level constant a layer multiplies by:
+    keras.io's Zero-DCE convolves with such kernels in its own step).
+    DTensor refuses a captured regular tensor larger than a scalar ("got
+    a regular tensor for input 15 ... but was expecting a DTensor"), and
+    copying is what a script's own `dtensor.copy_to_mesh` would do: the
+    values are unchanged, held whole on every device. Eager, after the
+    trace and before the first call; resources (variables) and strings
+    are left as they are."""
+    captured = list(concrete.captured_inputs)
+    copied = [
+        to_layout(value, replicated(mesh, value.shape.rank))
+        if (isinstance(value, tf.Tensor) and value.shape.rank
+            and value.dtype not in (tf.string, tf.resource, tf.variant)
+            and not dtensor.is_dtensor(value)) else value
+        for value in captured
+    ]
+    if any(a is not b for a, b in zip(captured, copied)):
+        concrete.set_external_captures(copied)
+
+
 def argument_constants(arguments: Any, mesh: Any) -> list[tuple]:
     """(arguments, "args" or "kwargs", the same with replicated DTensor
     copies) for a layer call whose arguments hold tensors of their own
