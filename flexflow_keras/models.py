@@ -9,7 +9,6 @@ for the batch size that fit uses. A plan is kept per batch size.
 
 import contextlib
 import dataclasses
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +21,7 @@ from keras.src.models.model import Trainer as KerasTrainer
 from keras.src.models.model import functional_init_arguments
 from keras.src.saving import serialization_lib
 
-from flexflow_keras import own_loops
+from flexflow_keras import notices, own_loops
 from flexflow_keras import settings as settings_lib
 from flexflow_keras import user_random
 from flexflow_keras.keras_graph import (
@@ -172,7 +171,7 @@ class _PlanningModel(StrategyTrainer):
         reason = _why_plain_keras(self)
         if reason is not None:
             if not state.warned_plain:
-                warnings.warn(reason, stacklevel=3)
+                notices.must_tell(reason, stacklevel=3)
                 state.warned_plain = True
             if state.executor is not None:  # planned before: detach
                 runtime.detach_strategy(self)

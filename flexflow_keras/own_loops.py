@@ -19,12 +19,13 @@ under the strategy, or as plain Keras with the fallback's own warning).
 
 import contextlib
 import threading
-import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 from tensorflow.python.eager import record
+
+from flexflow_keras import notices
 
 # How many package entry points are running, in any thread: a process
 # count, not a per-thread one, because Keras's steps may run on other
@@ -80,7 +81,7 @@ def note_call(model: Any) -> None:
     if _depth or model in _SAID or not record.could_possibly_record():
         return
     _SAID.add(model)
-    warnings.warn(
+    notices.must_tell(
         f"Model '{model.name}' is called under a tf.GradientTape outside "
         "fit(): a training loop of your own runs as plain Keras on one "
         "device, not under a searched strategy. flexflow_keras "

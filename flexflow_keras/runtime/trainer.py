@@ -20,11 +20,11 @@ sees each step's values, and what it writes is what the next step
 trains from.
 """
 
-import warnings
 from typing import Any
 
 import keras
 
+from flexflow_keras import notices
 from flexflow_keras.model_state import state_of
 from flexflow_keras.runtime import (
     clients, dtensor_passes, fresh_state, input_pipelines, layouts, op_rules,
@@ -127,7 +127,7 @@ class StrategyTrainer:
     def _strategy_failed(self, reason: str) -> None:
         """The strategy cannot run on TensorFlow: says `reason` and trains
         as plain Keras from here on, with the values trained so far."""
-        warnings.warn(reason, stacklevel=2)
+        notices.must_tell(reason, stacklevel=2)
         detach_strategy(self)
 
     def _strategy_replaced(self, graph: Any, strategy: Any,
@@ -135,7 +135,7 @@ class StrategyTrainer:
         """The strategy cannot compute this model's step right: says
         `reason` and trains under `strategy` (over the same devices)
         from here on, with the values trained so far."""
-        warnings.warn(reason, stacklevel=2)
+        notices.must_tell(reason, stacklevel=2)
         detach_strategy(self)
         attach_strategy(self, graph, strategy)
 
