@@ -209,7 +209,7 @@ class _PlanningModel(StrategyTrainer):
                 # Plain Keras runs such a model: so does the script.
                 self._strategy_failed(
                     f"Model '{self.name}' trains as plain Keras on one "
-                    f"device: {error}."
+                    f"device: {str(error).rstrip('.')}."
                 )
                 return
             state.plans[batch_size] = plan
@@ -330,13 +330,24 @@ class _Peeked:
     def symbolic_inputs(self) -> Any:
         """`keras.Input`s shaped and typed like the inputs (any batch)."""
 
-        def symbolic(value):
+        def symbolic(value, name=None):
             value = np.asarray(value) if not hasattr(value, "dtype") else (
                 value
             )
             dtype = keras.backend.standardize_dtype(value.dtype)
-            return keras.Input(tuple(np.shape(value))[1:], dtype=dtype)
+            return keras.Input(tuple(np.shape(value))[1:], dtype=dtype,
+                               name=name)
 
+        def named(key, value):
+            if keras.tree.is_nested(value):
+                return keras.tree.map_structure(symbolic, value)
+            return symbolic(value, str(key))
+
+        if isinstance(self.inputs, dict):
+            # Named as fit's keys: a message about an input names it as
+            # the script does (keras.io's captcha OCR: 'label').
+            return {key: named(key, value)
+                    for key, value in self.inputs.items()}
         return keras.tree.map_structure(symbolic, self.inputs)
 
 
@@ -351,7 +362,8 @@ def _peek_batch(x: Any, batch_size: int | None) -> tuple[_Peeked, Any]:
     first = None
     if isinstance(x, tf.data.Dataset):
         read = _dataset_batch(x)
-        if read is not None:
+        if read is not None and not (_unknown_dims(read.inputs)
+                                     and _replayable(x)):
             return read, x
         first = next(iter(x.take(1)))
     elif isinstance(x, keras.utils.PyDataset):
@@ -394,6 +406,41 @@ def _dataset_batch(dataset: Any) -> _Peeked | None:
         lambda s: tf.TensorSpec((batch,) + tuple(s.shape[1:]), s.dtype),
         inputs,
     ))
+
+
+def _unknown_dims(specs: Any) -> bool:
+    """Whether any `tf.TensorSpec` leaf leaves a dim beyond the batch
+    unknown."""
+    return any(None in tuple(s.shape)[1:] for s in keras.tree.flatten(specs))
+
+
+# Op types whose run changes a state a later iterator sees (a shuffle's
+# seed, a stateful draw, a variable, a Python generator's position).
+_STATEFUL_OP_WORDS = ("Random", "Shuffle", "Seed", "PyFunc", "Generator",
+                      "Assign", "Stateful", "Variable")
+
+
+def _replayable(dataset: Any) -> bool:
+    """Whether iterating `dataset` once leaves every later iteration as
+    it would have been: no op in its graph (map functions included)
+    keeps state between iterators.
+
+    Why: a dataset whose element spec leaves a dim unknown (keras.io's
+    captcha OCR: labels made by `tf.strings.unicode_split`, `(None,
+    None)`) gives the search no static shapes, and the model trained as
+    plain Keras; its first batch has them. A dataset that shuffles or
+    draws must not be peeked (see `_dataset_batch`)."""
+    import tensorflow as tf
+
+    try:
+        graph = tf.compat.v1.GraphDef.FromString(
+            dataset._as_serialized_graph().numpy())
+    except Exception:  # noqa: BLE001 - a graph we cannot read: not sure
+        return False
+    types = {node.op for node in graph.node}
+    for function in graph.library.function:
+        types.update(node.op for node in function.node_def)
+    return not any(word in op for op in types for word in _STATEFUL_OP_WORDS)
 
 
 def _chain_batch_size(dataset: Any, depth: int = 32) -> int | None:
