@@ -48,6 +48,7 @@ from flexflow_keras.runtime import step
 from flexflow_keras.strategy import ParallelConfig, Strategy
 from flexflow_keras.strategy_files import save_strategy
 
+from runtime_support import fresh_caches
 from test_own_step import SAMPLES, fit_both, train_both
 
 
@@ -198,6 +199,56 @@ def build_constant_kernels(mod):
     x = np.random.default_rng(3).random((SAMPLES, 8, 8, 3)).astype(
         "float32")
     return model, (x, None)
+
+
+def build_drop_path_and_lsa(mod):
+    """Two custom layers of keras.io's small-dataset ViTs: ShiftViT's
+    DropPath, which draws with TensorFlow's stateful `tf.random.uniform`
+    in `call`, and the locality self-attention of "ViT on small
+    datasets", a MultiHeadAttention subclass called with a module-level
+    `tf.constant` mask. The probe of layers found each one unrunnable
+    ("Stateful random operations are not supported in DTensor"; "got a
+    regular tensor for input 11 (shape [1,6,6])") and the model trained
+    as plain Keras."""
+    import math
+
+    tokens = 6
+    diagonal = tf.cast([1 - tf.eye(tokens)], dtype=tf.int8)
+
+    class DropPath(mod.layers.Layer):
+        def call(self, x, training=False):
+            if training:
+                shape = (tf.shape(x)[0],) + (1,) * (len(x.shape) - 1)
+                kept = tf.floor(0.7 + tf.random.uniform(shape, 0, 1))
+                return x / 0.7 * kept
+            return x
+
+    class LocalitySelfAttention(mod.layers.MultiHeadAttention):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.tau = tf.Variable(math.sqrt(float(self._key_dim)),
+                                   trainable=True)
+
+        def _compute_attention(self, query, key, value, attention_mask=None,
+                               training=None, *args, **kwargs):
+            query = tf.multiply(query, 1.0 / self.tau)
+            scores = tf.einsum(self._dot_product_equation, key, query)
+            scores = self._masked_softmax(scores, attention_mask)
+            return tf.einsum(self._combine_equation, scores, value), scores
+
+    inputs = mod.Input((tokens, 8))
+    h = mod.layers.Dense(8, name="embed")(inputs)
+    h = LocalitySelfAttention(num_heads=2, key_dim=4, name="lsa")(
+        h, h, attention_mask=diagonal)
+    h = DropPath(name="drop_path")(h)
+    h = mod.layers.GlobalAveragePooling1D(name="pool")(h)
+    model = mod.Model(inputs, mod.layers.Dense(2, name="out")(h))
+    # SGD: Adam turns the rounding noise of the key bias's zero gradient
+    # (softmax ignores it) into whole steps, on both sides alike.
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    rng = np.random.default_rng(4)
+    return model, (rng.random((SAMPLES, tokens, 8)).astype("float32"),
+                   rng.random((SAMPLES, 2)).astype("float32"))
 
 
 def build_guide_gan(mod):
@@ -490,7 +541,12 @@ class StepPatternsTest(unittest.TestCase):
                                        rtol=1e-5, err_msg=key)
 
     def test_constants_captured_by_a_step_and_a_layer(self):
+        fresh_caches(self)  # the probe of `Scaled` runs
         train_both(self, "constant_kernels", build_constant_kernels)
+
+    def test_stateful_draw_and_constant_mask_in_custom_layers(self):
+        fresh_caches(self)  # the probes of both layers run
+        train_both(self, "drop_path_and_lsa", build_drop_path_and_lsa)
 
     def test_gpt_causal_mask_tiled_to_the_batch(self):
         train_both(self, "gpt_causal_mask", build_causal_gpt)

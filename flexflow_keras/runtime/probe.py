@@ -59,14 +59,13 @@ from flexflow_keras import capabilities, disk_cache
 from flexflow_keras.capabilities import Probed
 from flexflow_keras.graph import Op, OpGraph
 from flexflow_keras.keras_graph import fill_arguments
-from flexflow_keras.runtime import dtensor_passes, op_rules
+from flexflow_keras.runtime import dtensor_passes, op_rules, stateful_draws
 from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.tracing import without_memory_rewrites
-from flexflow_keras.runtime.variables import attributes_set
+from flexflow_keras.runtime.layouts import replicated
 from flexflow_keras.runtime.variables import (
-    captures_on_mesh, layer_constants,
+    attributes_set, captures_on_mesh, layer_constants, replicate, to_layout,
 )
-from flexflow_keras.runtime.variables import replicate
 
 DEFAULT_CACHE_PATH = os.path.join(disk_cache.CACHE_DIR, "capabilities.json")
 PROBE_BATCH = 4
@@ -74,9 +73,9 @@ _MAX_SWITCHES = 4  # ops turned replicated before a probe gives up
 # In the cache key: results of earlier probes (which ran layers without
 # their replicated constants or string inputs, before slices with
 # run-time bounds were rewritten: `op_rules.plain_slice`, or before
-# captured constants were copied: `variables.captures_on_mesh`) are not
-# reused.
-_PROBE_VERSION = "probe4"
+# captured constants were copied: `variables.captures_on_mesh`, or
+# stateful draws were made stateless: `stateful_draws`) are not reused.
+_PROBE_VERSION = "probe5"
 _MISSING_RULE = re.compile(r"'tf\.(\w+)' op does not implement")
 
 
@@ -287,10 +286,17 @@ def _forward_backward(
     # (Normalization's mean) replicated, as DTensor refuses a captured
     # regular tensor larger than a scalar.
     constants = layer_constants(layer, mesh) if mesh is not None else []
+    # As the runtime traces its steps: TensorFlow's stateful draws
+    # (keras.io's ShiftViT's DropPath calls `tf.random.uniform`) run as
+    # their stateless twins, which DTensor lays out (it refuses the
+    # stateful ops). Counters of the probe's own: nothing is kept.
+    draws = stateful_draws.drawing(dtensor.DVariable(to_layout(
+        np.zeros(stateful_draws.SLOTS, np.int64), replicated(mesh, 1)
+    )), mesh, "train", 0) if mesh is not None else contextlib.nullcontext()
     with unrolled(layer), attributes_set(constants), (
         op_rules.substitutes(mesh) if mesh is not None
         else contextlib.nullcontext()
-    ):
+    ), draws:
         concrete = function.get_concrete_function(specs, weights, states)
         if mesh is not None:
             captures_on_mesh(concrete, mesh)
