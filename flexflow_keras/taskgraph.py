@@ -206,16 +206,16 @@ def overlaps(
         for rect in partition.part_rects(consumer.output_shape, consumer_dims)
     ]
     rank = len(needs[0])
-    whole = tuple((0, 0) for _ in range(rank))  # a part holding nothing
-    have = np.array([whole if r is None else r for r in held],
+    holds = np.array([r is not None for r in held])  # else holds nothing
+    have = np.array([r or ((0, 0),) * rank for r in held],
                     np.int64).reshape(len(held), rank, 2)
     need = np.array(needs, np.int64).reshape(len(needs), rank, 2)
     # (consumer part, producer part, dim): the intersection's extent.
     extent = np.minimum(need[:, None, :, 1], have[None, :, :, 1]) - (
         np.maximum(need[:, None, :, 0], have[None, :, :, 0])
     )
-    elements = np.where((extent > 0).all(axis=2),
-                        np.prod(np.maximum(extent, 0), axis=2), 0)
+    meet = (extent > 0).all(axis=2) & holds[None, :]
+    elements = np.where(meet, np.prod(np.maximum(extent, 0), axis=2), 0)
     return tuple(
         (int(i), int(j), int(elements[i, j]))
         for i, j in zip(*np.nonzero(elements))

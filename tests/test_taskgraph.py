@@ -30,6 +30,70 @@ class OpPieceTest(unittest.TestCase):
                          tuple((d, 8 * 100 * FLOAT / 4) for d in range(4)))
 
 
+class OverlapsTest(unittest.TestCase):
+    def test_equal_to_every_pair_intersected(self):
+        """`overlaps` (cached, in numpy) finds exactly the part pairs, in
+        the order and with the sizes, of intersecting every producer
+        part's rectangle with every consumer part's input region, over
+        each edge of a CNN, a Transformer block, DLRM and an LSTM's state
+        outputs (several ranks, parts that hold nothing, splits of every
+        dim)."""
+        import itertools
+
+        import model_zoo
+
+        from flexflow_keras import partition
+        from flexflow_keras.keras_graph import build_graph
+
+        def brute(producer, output, pdims, consumer, k, cdims):
+            held = partition.tensor_rects(producer, output, pdims)
+            found = []
+            for i, rect in enumerate(partition.part_rects(
+                    consumer.output_shape, cdims)):
+                need = partition.input_region(consumer, k, rect)
+                for j, have in enumerate(held):
+                    common = None if have is None else partition.intersect(
+                        have, need)
+                    if common is not None:
+                        found.append((i, j, partition.rect_size(common)))
+            return tuple(found)
+
+        def splits(rank):
+            for d, n in itertools.product(range(rank), (1, 2, 4)):
+                yield tuple(n if e == d else 1 for e in range(rank))
+            if rank > 1:
+                yield (2,) * 2 + (1,) * (rank - 2)
+
+        import keras
+
+        # An LSTM's state outputs (rank 2 beside its rank-3 sequence) are
+        # held whole by its first part, by none of the others.
+        tokens = keras.Input((5, 3))
+        sequence, state, _ = keras.layers.LSTM(
+            4, return_sequences=True, return_state=True)(tokens)
+        states = keras.Model(tokens, [keras.layers.Dense(2)(sequence),
+                                      keras.layers.Dense(2)(state)])
+        checked = 0
+        for model in (model_zoo.cnn(), model_zoo.transformer_block(),
+                      model_zoo.dlrm(), states):
+            graph = build_graph(model, 8)
+            makers = {t: op for op in graph.ops for t in op.outputs}
+            for consumer in graph.ops:
+                for k, tensor in enumerate(consumer.inputs):
+                    producer = makers.get(tensor)
+                    if producer is None:
+                        continue
+                    output = producer.outputs.index(tensor)
+                    for pdims in splits(len(producer.output_shape)):
+                        for cdims in splits(len(consumer.output_shape)):
+                            args = (producer, output, pdims, consumer, k,
+                                    cdims)
+                            self.assertEqual(taskgraph.overlaps(*args),
+                                             brute(*args), args[2:])
+                            checked += 1
+        self.assertGreater(checked, 500)
+
+
 class EdgePieceTest(unittest.TestCase):
     def setUp(self):
         self.graph, self.m = chain(batch=8, features=100), load_machine(
