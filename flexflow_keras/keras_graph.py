@@ -17,7 +17,10 @@ from flexflow_keras.model_state import state_of
 class UnknownDimension(ValueError):
     """A tensor of the model's graph whose shape is unknown beyond the
     batch even on the shapes `fit` feeds (a layer of the user's whose
-    output length is drawn at run time): the search cannot price it."""
+    output length is drawn at run time): the search cannot price it.
+    `model_input`: the tensor is one of the model's inputs."""
+
+    model_input = False
 
 
 class UntracedBatchSize(ValueError):
@@ -425,9 +428,12 @@ class _GraphBuilder:
                     f"batch_size={fixed}, or leave the batch dim of "
                     "`keras.Input` as None."
                 )
-            self.tensors[name] = TensorInfo(
-                name, self.static_shape(kt, name), str(kt.dtype)
-            )
+            try:
+                shape = self.static_shape(kt, name)
+            except UnknownDimension as unknown:
+                unknown.model_input = True
+                raise
+            self.tensors[name] = TensorInfo(name, shape, str(kt.dtype))
             self.names[id(kt)] = name
             names.append(name)
         self.inputs.extend(names)

@@ -206,10 +206,21 @@ class _PlanningModel(StrategyTrainer):
                         plan = runtime.agreed_plan(self, batch_size, make)
             except (capabilities.Unsupported, UnknownDimension,
                     UntracedBatchSize) as error:
+                why = str(error).rstrip(".")
+                if (isinstance(error, UnknownDimension)
+                        and error.model_input
+                        and state.traced_function is not None):
+                    # An input traced on fit's data, which leaves the dim
+                    # unknown too (a dataset that must not be read ahead).
+                    why += (
+                        ". The data fit() reads leaves it unknown as well: "
+                        "give the dataset static shapes (`tf.ensure_shape` "
+                        "in its `map`)"
+                    )
                 # Plain Keras runs such a model: so does the script.
                 self._strategy_failed(
                     f"Model '{self.name}' trains as plain Keras on one "
-                    f"device: {str(error).rstrip('.')}."
+                    f"device: {why}."
                 )
                 return
             state.plans[batch_size] = plan

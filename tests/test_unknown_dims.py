@@ -213,6 +213,8 @@ class UnknownDimsTest(unittest.TestCase):
         said = [m for m in runs["ours"][2] if "trains as plain Keras" in m]
         self.assertEqual(len(said), 1, said)
         self.assertIn("Tensor of 'label' has an unknown dimension", said[0])
+        self.assertIn("give the dataset static shapes (`tf.ensure_shape`",
+                      said[0])
         self.assertNotIn("..", said[0])
         np.testing.assert_allclose(runs["ours"][1]["loss"],
                                    runs["plain"][1]["loss"], rtol=1e-6)
