@@ -305,7 +305,7 @@ def needs_trace(model: Any) -> bool:
     function = _own_function(model)
     if function is None:
         return is_subclassed(model)
-    return _unknown_dims(function.inputs)
+    return unknown_dims(function.inputs)
 
 
 def is_subclassed(model: Any) -> bool:
@@ -342,7 +342,7 @@ def _own_function(model: Any) -> Any:
     return None
 
 
-def _unknown_dims(tensors: Any) -> bool:
+def unknown_dims(tensors: Any) -> bool:
     """Whether any of `tensors` has an unknown dim beyond the batch."""
     return any(None in tuple(t.shape)[1:] for t in tensors)
 
@@ -353,7 +353,7 @@ def _on_call_shapes(inner: Any, in_kts: list) -> Any:
     `keras.Input((None,))`, called on the traced, fully known shapes):
     its layers' calls then carry the shapes the search needs. `inner`
     itself otherwise, or if its `call` cannot run on them."""
-    if not _unknown_dims(inner.inputs) or _unknown_dims(in_kts):
+    if not unknown_dims(inner.inputs) or unknown_dims(in_kts):
         return inner
     import keras
     from keras import tree

@@ -26,6 +26,7 @@ from flexflow_keras import settings as settings_lib
 from flexflow_keras import user_random
 from flexflow_keras.keras_graph import (
     UnknownDimension, UntracedBatchSize, is_subclassed, needs_trace,
+    unknown_dims,
 )
 from flexflow_keras.model_state import state_of
 from flexflow_keras.runtime import StrategyTrainer
@@ -373,8 +374,9 @@ def _peek_batch(x: Any, batch_size: int | None) -> tuple[_Peeked, Any]:
     first = None
     if isinstance(x, tf.data.Dataset):
         read = _dataset_batch(x)
-        if read is not None and not (_unknown_dims(read.inputs)
-                                     and _replayable(x)):
+        if read is not None and not (
+                unknown_dims(keras.tree.flatten(read.inputs))
+                and _replayable(x)):
             return read, x
         first = next(iter(x.take(1)))
     elif isinstance(x, keras.utils.PyDataset):
@@ -417,12 +419,6 @@ def _dataset_batch(dataset: Any) -> _Peeked | None:
         lambda s: tf.TensorSpec((batch,) + tuple(s.shape[1:]), s.dtype),
         inputs,
     ))
-
-
-def _unknown_dims(specs: Any) -> bool:
-    """Whether any `tf.TensorSpec` leaf leaves a dim beyond the batch
-    unknown."""
-    return any(None in tuple(s.shape)[1:] for s in keras.tree.flatten(specs))
 
 
 # Op types whose run changes a state a later iterator sees (a shuffle's

@@ -274,6 +274,20 @@ def _read_all(pairs: list[tuple[Any, Any, Any]]) -> Any:
     return read_all
 
 
+def _needs_copy(value: Any) -> bool:
+    """Whether `value` is a regular tensor DTensor refuses to take in a
+    step (larger than a scalar; not a string, a variable's handle or a
+    variant) and the step needs as a replicated DTensor copy."""
+    return (isinstance(value, tf.Tensor) and bool(value.shape.rank)
+            and value.dtype not in (tf.string, tf.resource, tf.variant)
+            and not dtensor.is_dtensor(value))
+
+
+def _whole_copy(value: Any, mesh: Any) -> Any:
+    """`value` as a DTensor held whole on every device of `mesh`."""
+    return to_layout(value, replicated(mesh, value.shape.rank))
+
+
 def layer_constants(layer: Any, mesh: Any) -> list[tuple[Any, str, Any]]:
     """(layer, attribute, replicated DTensor copy) for each tensor a layer
     or its sublayers keep as a plain attribute (Normalization's `mean`
@@ -284,12 +298,8 @@ def layer_constants(layer: Any, mesh: Any) -> list[tuple[Any, str, Any]]:
         layer, "_flatten_layers"
     ) else [layer]:
         for name, value in list(vars(each).items()):
-            if (isinstance(value, tf.Tensor) and value.shape.rank
-                    and value.dtype != tf.string
-                    and not dtensor.is_dtensor(value)):
-                found.append((each, name, to_layout(
-                    value, replicated(mesh, value.shape.rank)
-                )))
+            if _needs_copy(value):
+                found.append((each, name, _whole_copy(value, mesh)))
     return found
 
 
@@ -305,13 +315,8 @@ def captures_on_mesh(concrete: Any, mesh: Any) -> None:
     trace and before the first call; resources (variables) and strings
     are left as they are."""
     captured = list(concrete.captured_inputs)
-    copied = [
-        to_layout(value, replicated(mesh, value.shape.rank))
-        if (isinstance(value, tf.Tensor) and value.shape.rank
-            and value.dtype not in (tf.string, tf.resource, tf.variant)
-            and not dtensor.is_dtensor(value)) else value
-        for value in captured
-    ]
+    copied = [_whole_copy(value, mesh) if _needs_copy(value) else value
+              for value in captured]
     if any(a is not b for a, b in zip(captured, copied)):
         concrete.set_external_captures(copied)
 
@@ -330,11 +335,7 @@ def argument_constants(arguments: Any, mesh: Any) -> list[tuple]:
         return []
 
     def copied(value):
-        if (isinstance(value, tf.Tensor) and value.shape.rank
-                and value.dtype != tf.string
-                and not dtensor.is_dtensor(value)):
-            return to_layout(value, replicated(mesh, value.shape.rank))
-        return value
+        return _whole_copy(value, mesh) if _needs_copy(value) else value
 
     changes = []
     for name in ("args", "kwargs"):
