@@ -144,7 +144,10 @@ class Updater:
 
         Rules are written as pure functions of values read once, then
         assigned: a DVariable read after an assign in the same function
-        was seen to return the old value on a multi-device mesh.
+        was seen to return the old value on a multi-device mesh. A
+        weight's `constraint` (`kernel_constraint=MaxNorm(...)`) is
+        applied to its updated value, as Keras's `apply` does after each
+        update of a weight that had a gradient.
         """
         wd = getattr(self.optimizer, "weight_decay", None)
         rule = getattr(self, "_" + self.kind.lower())
@@ -161,6 +164,9 @@ class Updater:
             self._square = _square_like_keras(grad)
             grad = tf.convert_to_tensor(grad)
             value, state = rule(grad, value, state, lr_v, step)
+            constraint = self._keras_of[id(dvar)].constraint
+            if constraint is not None:
+                value = constraint(value)
             for name, new in state.items():
                 slots[name].assign(new)
             dvar.assign(value)
