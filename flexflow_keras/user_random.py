@@ -28,7 +28,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import tensorflow as tf
 from keras.src.backend.common import global_state
+from keras.src.backend.common.variables import Variable as KerasVariable
 from keras.src.random import seed_generator
 from tensorflow.python.eager import context
 from tensorflow.python.ops import stateful_random_ops
@@ -50,10 +52,48 @@ def kept(model: Any = None) -> Iterator[None]:
     states = [(v, v.numpy()) for v in getattr(
         model, "non_trainable_variables", ())]
     try:
-        yield
+        with _writes_undone():
+            yield
     finally:
         _restore(saved)
         for variable, value in states:
+            if not np.array_equal(variable.numpy(), value):
+                variable.assign(value)
+
+
+@contextlib.contextmanager
+def _writes_undone() -> Iterator[None]:
+    """Runs the block, then puts back every Keras variable it assigned
+    (eagerly, or in a function it traced) to its value before.
+
+    Why: a model does not track every variable its layers write. A
+    stateful RNN keeps its carried state in variables made outside
+    Keras's tracking (`RNN.states`), and its call writes them whatever
+    `training` is; measuring the layer's cost on a new machine left the
+    state of the measurement's batch there, and training started from
+    it rather than from zeros (a stateful LSTM's first loss 0.997212
+    against plain Keras's 0.995074). A custom layer may do the same with
+    a variable of its own.
+    """
+    before: dict[int, tuple[Any, Any]] = {}
+    assign = KerasVariable.assign
+
+    def noted(variable: Any, value: Any) -> Any:
+        if id(variable) not in before:
+            try:
+                with tf.init_scope():  # a trace's write: read eagerly
+                    before[id(variable)] = (variable,
+                                            np.array(variable.numpy()))
+            except Exception:  # noqa: BLE001 - not initialized yet
+                pass
+        return assign(variable, value)
+
+    KerasVariable.assign = noted
+    try:
+        yield
+    finally:
+        KerasVariable.assign = assign
+        for variable, value in before.values():
             if not np.array_equal(variable.numpy(), value):
                 variable.assign(value)
 
