@@ -24,7 +24,6 @@ import tensorflow as tf
 import flexflow_keras as fk
 from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.strategy_files import save_strategy
-import runtime_support
 from runtime_support import fresh_caches, several_meshes
 
 
@@ -108,55 +107,3 @@ class LayerSeedsTest(unittest.TestCase):
         self.assertIsNotNone(model.strategy)
         np.testing.assert_array_equal(flip.generator.state.numpy(), before)
 
-
-def _stateful(mod):
-    """Stacked stateful RNNs: their carried state lives in variables the
-    model does not track (`RNN.states`), written by every call."""
-    inputs = mod.Input(batch_shape=(16, 5, 3))
-    h = mod.layers.LSTM(8, stateful=True, return_sequences=True)(inputs)
-    h = mod.layers.GRU(4, stateful=True)(h)
-    return mod.Model(inputs, mod.layers.Dense(2)(h))
-
-
-class StatefulRecurrentTest(unittest.TestCase):
-    def test_stateful_rnns_start_from_zeros_and_carry_state(self):
-        # Measuring the LSTM's cost on a new machine ran it, and its call
-        # wrote the state of the measurement's batch: training started
-        # from that state, not from zeros (first loss 0.997212 against
-        # 0.995074).
-        fresh_caches(self)
-        rng = np.random.default_rng(3)
-        x = rng.normal(size=(48, 5, 3)).astype("float32")
-        y = rng.normal(size=(48, 2)).astype("float32")
-
-        class ResetEachEpoch(keras.callbacks.Callback):
-            # At the epoch's end, as Keras's docs do: the first epoch
-            # starts from the state the layer was built with.
-            def on_epoch_end(self, epoch, logs=None):
-                for layer in self.model.layers:
-                    if getattr(layer, "stateful", False):
-                        layer.reset_states()
-
-        def train(model):
-            model.compile(optimizer="adam", loss="mse")
-            history = model.fit(x, y, batch_size=16, epochs=2,
-                                shuffle=False, verbose=0,
-                                callbacks=[ResetEachEpoch()])
-            return history.history
-
-        runs = runtime_support.train_plain_and_ours(_stateful, 5, train)
-        runtime_support.assert_own_step_under_strategy(self, runs)
-        ours = runs["ours"][0]
-        devices = {d for c in ours.strategy.values() for d in c.device_ids}
-        self.assertGreater(len(devices), 1)
-        runtime_support.assert_same_runs(self, runs)
-        states = {name: [v.numpy() for layer in run[0].layers
-                         for v in (getattr(layer, "states", None) or ())]
-                  for name, run in runs.items()}
-        self.assertEqual(len(states["ours"]), 3)  # LSTM's h, c; GRU's h
-        for got, want in zip(states["ours"], states["plain"]):
-            np.testing.assert_array_equal(got, 0.0)  # reset at the end
-            np.testing.assert_array_equal(want, 0.0)
-        predictions = [run[0].predict(x[:32], batch_size=16, verbose=0)
-                       for run in runs.values()]
-        np.testing.assert_allclose(*predictions, rtol=1e-5, atol=1e-6)

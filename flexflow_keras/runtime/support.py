@@ -60,6 +60,11 @@ def own_step_reasons(model: Any) -> list[str]:
             layer, keras.layers.Masking
         ):
             reasons.append(f"{name} produces a mask")
+        if getattr(layer, "stateful", False):
+            # Its state between batches is in variables the model does
+            # not track (`RNN.states`): the layer-by-layer step, which
+            # carries only tracked state, started each batch from zeros.
+            reasons.append(f"{name} is stateful")
         policy = getattr(layer, "dtype_policy", None)
         if policy is not None and (
             policy.compute_dtype != policy.variable_dtype
