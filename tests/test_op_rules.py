@@ -4,6 +4,7 @@ Run here without DTensor, against the op each replaces (the DTensor runs
 are in `test_layer_support.py`).
 """
 
+import os
 import unittest
 
 import numpy as np
@@ -136,6 +137,62 @@ class OpRulesTest(unittest.TestCase):
         np.testing.assert_array_equal(
             np.concatenate([t.numpy() for t in dtensor.unpack(bias)], 1),
             values[1:2])
+
+    def test_indices_that_insert_axes_name_every_dim(self):
+        x = tf.reshape(tf.range(2 * 3 * 4), (2, 3, 4))
+        cases = [
+            ((None,), (None, slice(None), slice(None), slice(None))),
+            ((slice(None), None), (slice(None), None, slice(None),
+                                   slice(None))),
+            ((Ellipsis, None), (slice(None), slice(None), slice(None), None)),
+            ((None, Ellipsis, 1), (None, slice(None), slice(None), 1)),
+            ((0, None), (0, None, slice(None), slice(None))),
+        ]
+        for spec, named in cases:
+            with self.subTest(spec=spec):
+                self.assertEqual(op_rules.every_dim_named(x, spec), named)
+                np.testing.assert_array_equal(x[named], x[spec])
+        # No inserted axis, or an index it cannot read: as it was.
+        for spec in ((slice(None), 0), (Ellipsis, 1), ([0, 1], None), 0):
+            self.assertIs(op_rules.every_dim_named(x, spec), spec)
+        self.assertEqual(op_rules.every_dim_named(x, None),
+                         (None, slice(None), slice(None), slice(None)))
+
+    def test_inserted_axes_run_on_a_split_batch(self):
+        # DTensor crashes the process on these indices as written (a
+        # segmentation fault), so they run in a process of their own.
+        import subprocess
+        import sys
+
+        script = """
+import numpy as np, tensorflow as tf
+import flexflow_keras
+from tensorflow.experimental import dtensor
+from flexflow_keras.runtime import op_rules
+mesh = dtensor.create_mesh([("a0", 4)], device_type="CPU")
+values = np.random.default_rng(0).normal(size=(8, 3, 2)).astype("float32")
+x = dtensor.relayout(dtensor.copy_to_mesh(
+    values, dtensor.Layout.replicated(mesh, 3)),
+    dtensor.Layout(["a0", dtensor.UNSHARDED, dtensor.UNSHARDED], mesh))
+specs = [(None,), (slice(None), None), (None, Ellipsis),
+         (slice(None), None, Ellipsis), (slice(None), slice(None), None)]
+@tf.function
+def step(x):
+    with op_rules.substitutes(mesh), tf.GradientTape() as tape:
+        tape.watch(x)
+        total = tf.add_n([tf.reduce_sum(x[spec] * x[spec]) for spec in specs])
+    return total, tape.gradient(total, x)
+total, grad = step(x)
+np.testing.assert_allclose(total.numpy(), 5 * (values ** 2).sum(), rtol=1e-5)
+got = np.concatenate([g.numpy() for g in dtensor.unpack(grad)])
+np.testing.assert_allclose(got, 10 * values, rtol=1e-5)
+print("ran")
+"""
+        env = dict(os.environ, FLEXFLOW_KERAS_CPU_DEVICES="4")
+        done = subprocess.run([sys.executable, "-c", script], env=env,
+                              capture_output=True, text=True, timeout=300)
+        self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+        self.assertIn("ran", done.stdout)
 
     def test_replicated_switch_is_set_unless_the_user_set_it(self):
         import os

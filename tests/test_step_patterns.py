@@ -548,6 +548,10 @@ class StepPatternsTest(unittest.TestCase):
         fresh_caches(self)  # the probes of both layers run
         train_both(self, "drop_path_and_lsa", build_drop_path_and_lsa)
 
+    def test_axes_inserted_by_a_layer_and_a_step(self):
+        fresh_caches(self)  # the probe of `Context` runs
+        train_both(self, "inserted_axes", build_inserted_axes)
+
     def test_gpt_causal_mask_tiled_to_the_batch(self):
         train_both(self, "gpt_causal_mask", build_causal_gpt)
 
@@ -584,6 +588,44 @@ class StepPatternsTest(unittest.TestCase):
         np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
         for a, b in zip(plain.get_weights(), ours.get_weights()):
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def build_inserted_axes(mod):
+    """Axes inserted by indexing (`t[:, tf.newaxis]`, `t[None]`,
+    `t[..., None]`) in a layer of the script's own and in its
+    `train_step`: DTensor crashed the process on such an index (a
+    segmentation fault in the probe of the layer), unless every dim is
+    named (`op_rules.every_dim_named`)."""
+
+    class Context(mod.layers.Layer):
+        def call(self, t):
+            each = t[:, tf.newaxis]  # (batch, 1, steps, features)
+            mean = tf.reduce_mean(t, axis=1)[None]  # (1, batch, features)
+            weights = tf.nn.softmax(t[..., None], axis=1)
+            return (tf.squeeze(each, 1) + tf.transpose(mean, [1, 0, 2])
+                    + tf.reduce_sum(weights * t[..., None], -1))
+
+    class Scorer(mod.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                scores = self(x, training=True)
+                margin = scores - tf.reduce_sum(
+                    scores * tf.one_hot(y, 3), axis=1)[:, None]
+                loss = tf.reduce_mean(tf.nn.relu(margin[None] + 1.0))
+            grads = tape.gradient(loss, self.trainable_weights)
+            self.optimizer.apply(grads, self.trainable_weights)
+            return {"loss": loss}
+
+    inputs = mod.Input((6, 4))
+    h = Context(name="context")(inputs)
+    h = mod.layers.Dense(8, activation="relu", name="dense")(h)
+    h = mod.layers.GlobalAveragePooling1D()(h)
+    model = Scorer(inputs, mod.layers.Dense(3, name="out")(h))
+    model.compile(optimizer="adam")
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(SAMPLES, 6, 4)).astype("float32")
+    return model, (x, rng.integers(0, 3, SAMPLES))
 
 
 def build_saturated_softmax(mod):

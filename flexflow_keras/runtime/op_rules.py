@@ -26,6 +26,9 @@ equal to plain Keras:
   mixes each device's id into the seed: other values, measured).
   Consumers take their slice locally; the cost is the draw's redundant
   compute, no communication.
+- `substitutes` also writes out the dims an index that inserts axes
+  leaves implicit (`t[:, tf.newaxis]` as `t[:, tf.newaxis, :, :]`):
+  DTensor crashes the process on the former (`every_dim_named`).
 - `substitutes` also slices tensors whose slice bounds are known only at
   run time (`x[:, h:h + 8]` with a tensor `h`: Keras's `RandomCrop`) by
   `plain_slice`: a constant-size `tf.slice`, or gathers of position
@@ -60,6 +63,7 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 from keras import tree
 from tensorflow.experimental import dtensor
@@ -439,8 +443,48 @@ def plain_slice(tensor: Any, spec: Any) -> Any:
     return tensor
 
 
+def _names_a_dim(part: Any) -> bool:
+    """Whether `part` of an index takes one dim: a slice or a scalar."""
+    if isinstance(part, (slice, int, np.integer)):
+        return True
+    return (isinstance(part, (tf.Tensor, tf.Variable))
+            and part.shape.rank == 0)
+
+
+def every_dim_named(tensor: Any, spec: Any) -> Any:
+    """`spec`, when it inserts axes (`None`, `tf.newaxis`), with the dims
+    it leaves implicit (an `...`, or dims after its last entry) written
+    out as `:`: the same slice. Other specs are returned as they are.
+
+    Why: DTensor's rule for a `StridedSlice` that inserts an axis crashes
+    the process (a segmentation fault, no Python error) when the index
+    does not name every dim, split or replicated, forward or backward
+    (measured, TF 2.21, 2 virtual CPUs: `t[None]`, `t[:, tf.newaxis]`,
+    `t[None, ...]`, `t[:, None, ...]` and `t[:, :, None]` on a rank-3
+    tensor), while the same slices with every dim named run: a user's
+    layer computing `t[:, tf.newaxis]` took the probe down with it.
+    """
+    parts = spec if isinstance(spec, tuple) else (spec,)
+    rank = getattr(tensor.shape, "rank", None)
+    if rank is None or not any(part is None for part in parts):
+        return spec
+    ellipses = sum(part is Ellipsis for part in parts)
+    if ellipses > 1 or not all(part is None or part is Ellipsis
+                               or _names_a_dim(part) for part in parts):
+        return spec
+    implicit = rank - sum(_names_a_dim(part) for part in parts)
+    if implicit < 0:
+        return spec  # TensorFlow's own error names it
+    whole = (slice(None),) * implicit
+    if ellipses:
+        at = parts.index(Ellipsis)
+        return parts[:at] + whole + parts[at + 1:]
+    return parts + whole
+
+
 def _sliced_plainly(getitem: Any) -> Any:
     def sliced(tensor, spec):
+        spec = every_dim_named(tensor, spec)
         result = plain_slice(tensor, spec)
         return getitem(tensor, spec) if result is None else result
 
