@@ -158,6 +158,15 @@ class OpRulesTest(unittest.TestCase):
         self.assertEqual(op_rules.every_dim_named(x, None),
                          (None, slice(None), slice(None), slice(None)))
 
+    def test_int64_scatter_equals_tensorflows(self):
+        scatter = op_rules._int32_scatter(tf.scatter_nd)
+        indices = tf.constant([[0, 1], [2, 2], [0, 1]], tf.int64)
+        updates = tf.constant([1.0, 2.0, 3.0])
+        for shape in ((3, 3), tf.constant([3, 3], tf.int64)):
+            np.testing.assert_array_equal(
+                scatter(indices, updates, shape),
+                tf.scatter_nd(indices, updates, shape))
+
     def test_inserted_axes_run_on_a_split_batch(self):
         # DTensor crashes the process on these indices as written (a
         # segmentation fault), so they run in a process of their own.

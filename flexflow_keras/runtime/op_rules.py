@@ -26,6 +26,9 @@ equal to plain Keras:
   mixes each device's id into the seed: other values, measured).
   Consumers take their slice locally; the cost is the draw's redundant
   compute, no communication.
+- `substitutes` also gives `ScatterNd` int32 indices where they were
+  int64 (`_int32_scatter`): DTensor fails on the latter (Keras's
+  confusion matrix: `BinaryIoU`, `MeanIoU`).
 - `substitutes` also writes out the dims an index that inserts axes
   leaves implicit (`t[:, tf.newaxis]` as `t[:, tf.newaxis, :, :]`):
   DTensor crashes the process on the former (`every_dim_named`).
@@ -68,7 +71,9 @@ import tensorflow as tf
 from keras import tree
 from tensorflow.experimental import dtensor
 from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.ops import gen_math_ops, stateless_random_ops
+from tensorflow.python.ops import (
+    array_ops, gen_math_ops, stateless_random_ops,
+)
 from keras.src.backend.tensorflow import nn as tf_nn
 from keras.src.backend.tensorflow import numpy as tf_numpy
 
@@ -491,6 +496,29 @@ def _sliced_plainly(getitem: Any) -> Any:
     return sliced
 
 
+def _int32_scatter(scatter_nd: Any) -> Any:
+    """`scatter_nd` with int64 indices (and shape) taken as int32.
+
+    Why: DTensor expands a `ScatterNd` with int64 indices with an int32
+    constant for its shape and fails ("input shape[0] expected type
+    int64 != int32", measured, TF 2.21, split or replicated), while the
+    same op with int32 indices runs. Keras's confusion matrix scatters
+    int64 indices (`BinaryIoU`, `MeanIoU`: such a model trained as
+    plain Keras from its first step), and so does the gradient of a
+    `gather_nd` with int64 indices. A position past int32 would need a
+    tensor of 2**31 elements along one dim."""
+
+    def scatter(indices, updates, shape, *args, **kwargs):
+        indices = tf.convert_to_tensor(indices)
+        if indices.dtype == tf.int64:
+            indices = tf.cast(indices, tf.int32)
+            if isinstance(shape, (tf.Tensor, tf.Variable)):
+                shape = tf.cast(shape, tf.int32)
+        return scatter_nd(indices, updates, shape, *args, **kwargs)
+
+    return scatter
+
+
 def _distinct_operands(mat_mul: Any) -> Any:
     """`mat_mul`, with one tensor passed as both operands made two.
 
@@ -534,6 +562,10 @@ def substitutes(mesh: Any) -> Iterator[None]:
         (tf.nn, "top_k", whole_on(mesh, tf.nn.top_k)),
         (tensor_lib.Tensor, "__getitem__",
          _sliced_plainly(tensor_lib.Tensor.__getitem__)),
+        # Keras's `ops.scatter` calls `tf.scatter_nd`; TensorFlow's
+        # gradients and confusion matrix, `array_ops.scatter_nd`.
+        (tf, "scatter_nd", _int32_scatter(tf.scatter_nd)),
+        (array_ops, "scatter_nd", _int32_scatter(array_ops.scatter_nd)),
         # Every 2-D matmul (`tf.matmul`, `@`, `keras.ops.matmul`).
         (gen_math_ops, "mat_mul", _distinct_operands(gen_math_ops.mat_mul)),
     ]
