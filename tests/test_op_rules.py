@@ -158,6 +158,22 @@ class OpRulesTest(unittest.TestCase):
         self.assertEqual(op_rules.every_dim_named(x, None),
                          (None, slice(None), slice(None), slice(None)))
 
+    def test_einsum_ellipses_written_as_letters(self):
+        x = tf.reshape(tf.range(2 * 3 * 4 * 5, dtype=tf.float32),
+                       (2, 3, 4, 5))
+        y = tf.ones((2, 3, 6, 5))
+        equation = op_rules.explicit_einsum("...ij,...kj->...ik", (x, y))
+        self.assertEqual(equation, "abij,abkj->abik")
+        np.testing.assert_allclose(
+            tf.einsum(equation, x, y),
+            tf.einsum("...ij,...kj->...ik", x, y))
+        # Broadcasting, an implicit output, no `...`: left as written.
+        for equation, operands in (
+                ("...ij,...kj->...ik", (x, tf.ones((1, 3, 6, 5)))),
+                ("...ij,...kj", (x, y)), ("bij,bkj->bik", (x, y))):
+            self.assertEqual(
+                op_rules.explicit_einsum(equation, operands), equation)
+
     def test_int64_scatter_equals_tensorflows(self):
         scatter = op_rules._int32_scatter(tf.scatter_nd)
         indices = tf.constant([[0, 1], [2, 2], [0, 1]], tf.int64)

@@ -48,6 +48,7 @@ from flexflow_keras.runtime import step
 from flexflow_keras.strategy import ParallelConfig, Strategy
 from flexflow_keras.strategy_files import save_strategy
 
+import runtime_support
 from runtime_support import fresh_caches
 from test_own_step import SAMPLES, fit_both, train_both
 
@@ -548,7 +549,7 @@ class StepPatternsTest(unittest.TestCase):
         fresh_caches(self)  # the probes of both layers run
         train_both(self, "drop_path_and_lsa", build_drop_path_and_lsa)
 
-    def test_axes_inserted_by_a_layer_and_a_step(self):
+    def test_axes_inserted_and_einsum_ellipses(self):
         fresh_caches(self)  # the probe of `Context` runs
         train_both(self, "inserted_axes", build_inserted_axes)
 
@@ -558,6 +559,28 @@ class StepPatternsTest(unittest.TestCase):
         # with that op replicated.
         self.assertEqual(ours.strategy_executor.retries,
                          ["MatrixDiagPartV3"])
+
+    def test_einsum_dense_with_an_ellipsis_over_several_meshes(self):
+        # Keras's own layer, so it may take any strategy; DTensor refused
+        # its `...x,xy->...y` and the model trained as plain Keras.
+        def build(mod):
+            inputs = mod.Input((6, 4))
+            h = mod.layers.EinsumDense("...x,xy->...y", output_shape=8,
+                                       bias_axes="y", name="e")(inputs)
+            h = mod.layers.GlobalAveragePooling1D(name="pool")(h)
+            return mod.Model(inputs, mod.layers.Dense(2, name="out")(h))
+
+        rng = np.random.default_rng(6)
+        x = rng.normal(size=(SAMPLES, 6, 4)).astype("float32")
+        y = rng.normal(size=(SAMPLES, 2)).astype("float32")
+        for make in (runtime_support.data_parallel,
+                     runtime_support.several_meshes):
+            with self.subTest(make.__name__):
+                histories, models, caught = runtime_support.fit_plain_and_ours(
+                    build, make, 8, 3, dict(optimizer="adam", loss="mse"),
+                    x=x, y=y, epochs=2, shuffle=False, verbose=0)
+                self.assertEqual(caught, [])
+                runtime_support.assert_same_fits(self, histories, models)
 
     def test_gpt_causal_mask_tiled_to_the_batch(self):
         train_both(self, "gpt_causal_mask", build_causal_gpt)
@@ -602,15 +625,20 @@ def build_inserted_axes(mod):
     `t[..., None]`) in a layer of the script's own and in its
     `train_step`: DTensor crashed the process on such an index (a
     segmentation fault in the probe of the layer), unless every dim is
-    named (`op_rules.every_dim_named`)."""
+    named (`op_rules.every_dim_named`). The layer also attends with
+    einsums written with `...`, which DTensor refused (the model trained
+    as plain Keras) unless written out (`op_rules.explicit_einsum`)."""
 
     class Context(mod.layers.Layer):
         def call(self, t):
             each = t[:, tf.newaxis]  # (batch, 1, steps, features)
             mean = tf.reduce_mean(t, axis=1)[None]  # (1, batch, features)
             weights = tf.nn.softmax(t[..., None], axis=1)
+            scores = keras.ops.softmax(
+                tf.einsum("...ij,...kj->...ik", t, t), axis=-1)
             return (tf.squeeze(each, 1) + tf.transpose(mean, [1, 0, 2])
-                    + tf.reduce_sum(weights * t[..., None], -1))
+                    + tf.reduce_sum(weights * t[..., None], -1)
+                    + keras.ops.einsum("...ik,...kj->...ij", scores, t))
 
     class Scorer(mod.Model):
         def train_step(self, data):

@@ -26,6 +26,8 @@ equal to plain Keras:
   mixes each device's id into the seed: other values, measured).
   Consumers take their slice locally; the cost is the draw's redundant
   compute, no communication.
+- `substitutes` also writes an einsum's `...` as letters
+  (`explicit_einsum`): DTensor refuses every equation with `...`.
 - `substitutes` also gives `ScatterNd` int32 indices where they were
   int64 (`_int32_scatter`): DTensor fails on the latter (Keras's
   confusion matrix: `BinaryIoU`, `MeanIoU`).
@@ -72,7 +74,7 @@ from keras import tree
 from tensorflow.experimental import dtensor
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import (
-    array_ops, gen_math_ops, stateless_random_ops,
+    array_ops, gen_linalg_ops, gen_math_ops, stateless_random_ops,
 )
 from keras.src.backend.tensorflow import nn as tf_nn
 from keras.src.backend.tensorflow import numpy as tf_numpy
@@ -496,6 +498,61 @@ def _sliced_plainly(getitem: Any) -> Any:
     return sliced
 
 
+def explicit_einsum(equation: str, operands: Any) -> str:
+    """`equation` with its `...` written as letters, where every operand
+    with a `...` gives it the same dims (as far as they are known); else
+    `equation` as it is.
+
+    Why: DTensor refuses any einsum whose equation holds `...`
+    ("Broadcasting is unimplemented for einsum", measured, TF 2.21,
+    split or replicated, even when nothing broadcasts): a user's layer
+    computing `tf.einsum("...ij,...kj->...ik", q, k)` trained as plain
+    Keras. The same product with letters for those dims runs.
+    """
+    if not isinstance(equation, str) or "..." not in equation \
+            or "->" not in equation:
+        return equation
+    inputs, output = equation.replace(" ", "").split("->")
+    terms = inputs.split(",")
+    if len(terms) != len(operands):
+        return equation
+    shapes = []
+    for term, operand in zip(terms, operands):
+        if "..." not in term:
+            continue
+        shape = getattr(operand, "shape", None)
+        rank = getattr(shape, "rank", None)
+        if rank is None:
+            return equation
+        named = len(term) - 3
+        at = term.index("...")
+        shapes.append(tuple(shape[at:at + rank - named]))
+    if not shapes or any(len(s) != len(shapes[0]) for s in shapes):
+        return equation
+    for dims in zip(*shapes):  # a dim of 1 against another broadcasts
+        if len({d for d in dims if d is not None}) > 1:
+            return equation
+    free = [c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+            if c not in equation]
+    if len(free) < len(shapes[0]):
+        return equation
+    letters = "".join(free[:len(shapes[0])])
+    return equation.replace(" ", "").replace("...", letters)
+
+
+def _explicit(einsum: Any) -> Any:
+    """TensorFlow's `Einsum` op (`gen_linalg_ops.einsum(inputs,
+    equation)`: what `tf.einsum`, `keras.ops.einsum` and the einsum
+    gradient, which writes `...` itself, all make) with `...` written
+    out (`explicit_einsum`)."""
+
+    def run(inputs, equation, *args, **kwargs):
+        return einsum(inputs, explicit_einsum(equation, inputs), *args,
+                      **kwargs)
+
+    return run
+
+
 def _int32_scatter(scatter_nd: Any) -> Any:
     """`scatter_nd` with int64 indices (and shape) taken as int32.
 
@@ -562,6 +619,7 @@ def substitutes(mesh: Any) -> Iterator[None]:
         (tf.nn, "top_k", whole_on(mesh, tf.nn.top_k)),
         (tensor_lib.Tensor, "__getitem__",
          _sliced_plainly(tensor_lib.Tensor.__getitem__)),
+        (gen_linalg_ops, "einsum", _explicit(gen_linalg_ops.einsum)),
         # Keras's `ops.scatter` calls `tf.scatter_nd`; TensorFlow's
         # gradients and confusion matrix, `array_ops.scatter_nd`.
         (tf, "scatter_nd", _int32_scatter(tf.scatter_nd)),
