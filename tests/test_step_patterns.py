@@ -582,6 +582,13 @@ class StepPatternsTest(unittest.TestCase):
                 self.assertEqual(caught, [])
                 runtime_support.assert_same_fits(self, histories, models)
 
+    def test_spectral_normalization(self):
+        # Its call assigns the kernel the output of an `ops.cond` branch
+        # that returns the kernel: under TensorFlow's own cond the probe
+        # of the layer crashed the process (a segmentation fault).
+        fresh_caches(self)  # the probe of SpectralNormalization runs
+        train_both(self, "spectral_normalization", build_spectral_norm)
+
     def test_gpt_causal_mask_tiled_to_the_batch(self):
         train_both(self, "gpt_causal_mask", build_causal_gpt)
 
@@ -680,6 +687,25 @@ def build_iou_metrics(mod):
     rng = np.random.default_rng(5)
     x = rng.random((SAMPLES, 6, 6, 3)).astype("float32")
     return model, (x, rng.integers(0, 3, (SAMPLES, 6, 6)))
+
+
+def build_spectral_norm(mod):
+    """A GAN discriminator's layers: `SpectralNormalization` around a
+    Dense and a Conv2D, with LeakyReLU and Dropout."""
+    inputs = mod.Input((8, 8, 3))
+    h = mod.layers.SpectralNormalization(
+        mod.layers.Conv2D(8, 3, strides=2, padding="same"), name="sn_conv")(
+        inputs)
+    h = mod.layers.LeakyReLU(0.2)(h)
+    h = mod.layers.Dropout(0.3)(mod.layers.Flatten()(h))
+    outputs = mod.layers.SpectralNormalization(
+        mod.layers.Dense(1), name="sn_dense")(h)
+    model = mod.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(SAMPLES, 8, 8, 3)).astype("float32")
+    return model, (x, rng.integers(0, 2, (SAMPLES, 1)).astype("float32"))
 
 
 def build_saturated_softmax(mod):

@@ -30,6 +30,7 @@ from typing import Any
 
 import tensorflow as tf
 from keras import tree
+from keras.src.backend.tensorflow import core as tf_core
 from tensorflow.experimental import dtensor
 from tensorflow.python.eager import record
 from tensorflow.python.ops.resource_variable_ops import variable_accessed
@@ -204,6 +205,24 @@ def select_cond(variables: Sequence[StepVariable]) -> Any:
         )
 
     return cond
+
+
+@contextlib.contextmanager
+def conds_selected(variables: Sequence[StepVariable]) -> Iterator[None]:
+    """While a step (or the probe of a layer) is traced, `keras.ops.cond`
+    is `select_cond(variables)`.
+
+    The probe runs a layer as the step will: a layer whose `call` assigns
+    a weight the output of an `ops.cond` branch that returns that weight
+    (Keras's `SpectralNormalization`) crashed the process in the probe
+    (a segmentation fault, TF 2.21) under TensorFlow's own cond, and
+    runs under this one."""
+    keras_cond = tf_core.cond
+    tf_core.cond = select_cond(variables)
+    try:
+        yield
+    finally:
+        tf_core.cond = keras_cond
 
 
 def _select(pred: tf.Tensor, a: Any, b: Any) -> tf.Tensor:

@@ -32,7 +32,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
-from keras.src.backend.tensorflow import core as tf_core
 from keras.src.ops.operation import Operation
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 from tensorflow.experimental import dtensor
@@ -364,13 +363,13 @@ class ModelStepExecutor:
         for optimizer in _optimizers(self.model):
             keys.append((optimizer, optimizer.__dict__.get("_var_key")))
             optimizer._var_key = self._stable_key(optimizer._var_key)
-        keras_cond = tf_core.cond
         for var, step_var, _ in self._pairs:
             var._value = step_var
         _ACTIVE.append(self)
-        tf_core.cond = deferred.select_cond(step_vars)
         try:
-            with deferred.deferring(step_vars), op_rules.substitutes(self.mesh), \
+            with deferred.deferring(step_vars), \
+                    deferred.conds_selected(step_vars), \
+                    op_rules.substitutes(self.mesh), \
                     stateful_draws.drawing(self._random_state, self.mesh,
                                            kind, self._unseeded_key), \
                     attributes_set(self._constants), _TAPES.counting(), \
@@ -378,7 +377,6 @@ class ModelStepExecutor:
                                         self._untracked):
                 yield
         finally:
-            tf_core.cond = keras_cond
             _ACTIVE.pop()
             for var, value in saved:
                 var._value = value

@@ -59,7 +59,9 @@ from flexflow_keras import capabilities, disk_cache
 from flexflow_keras.capabilities import Probed
 from flexflow_keras.graph import Op, OpGraph
 from flexflow_keras.keras_graph import fill_arguments
-from flexflow_keras.runtime import dtensor_passes, op_rules, stateful_draws
+from flexflow_keras.runtime import (
+    deferred, dtensor_passes, op_rules, stateful_draws,
+)
 from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.tracing import without_memory_rewrites
 from flexflow_keras.runtime.layouts import replicated
@@ -74,8 +76,10 @@ _MAX_SWITCHES = 4  # ops turned replicated before a probe gives up
 # their replicated constants or string inputs, before slices with
 # run-time bounds were rewritten: `op_rules.plain_slice`, or before
 # captured constants were copied: `variables.captures_on_mesh`, or
-# stateful draws were made stateless: `stateful_draws`) are not reused.
-_PROBE_VERSION = "probe5"
+# stateful draws were made stateless: `stateful_draws`, or before
+# `keras.ops.cond` ran as the step runs it: `deferred.conds_selected`)
+# are not reused.
+_PROBE_VERSION = "probe6"
 _MISSING_RULE = re.compile(r"'tf\.(\w+)' op does not implement")
 
 
@@ -295,6 +299,10 @@ def _forward_backward(
     )), mesh, "train", 0) if mesh is not None else contextlib.nullcontext()
     with unrolled(layer), attributes_set(constants), (
         op_rules.substitutes(mesh) if mesh is not None
+        else contextlib.nullcontext()
+    ), (
+        # `keras.ops.cond` as the step runs it: both branches, selected.
+        deferred.conds_selected([]) if mesh is not None
         else contextlib.nullcontext()
     ), draws:
         concrete = function.get_concrete_function(specs, weights, states)
