@@ -65,6 +65,7 @@ equal to plain Keras:
 import contextlib
 import inspect
 import os
+import string
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -415,13 +416,9 @@ def plain_slice(tensor: Any, spec: Any) -> Any:
                if isinstance(part, slice)
                for bound in (part.start, part.stop)):
         return None
-    if Ellipsis in spec:
-        at = spec.index(Ellipsis)
-        spec = spec[:at] + (slice(None),) * (rank - len(spec) + 1) + (
-            spec[at + 1:])
-    if len(spec) > rank:
+    spec = _written_out(spec, rank)
+    if spec is None:
         return None
-    spec = spec + (slice(None),) * (rank - len(spec))
     shape = tf.shape(tensor, out_type=tf.int32)
     bounds = []
     for dim, part in enumerate(spec):
@@ -458,6 +455,20 @@ def _names_a_dim(part: Any) -> bool:
             and part.shape.rank == 0)
 
 
+def _written_out(parts: tuple, rank: int) -> tuple | None:
+    """`parts` of an index (at most one `...`) with the dims of a
+    rank-`rank` tensor it leaves implicit, at its `...` or after its last
+    entry, written as `:`; None when it names more dims than there are."""
+    implicit = rank - sum(_names_a_dim(part) for part in parts)
+    if implicit < 0:
+        return None
+    whole = (slice(None),) * implicit
+    for at, part in enumerate(parts):
+        if part is Ellipsis:
+            return parts[:at] + whole + parts[at + 1:]
+    return parts + whole
+
+
 def every_dim_named(tensor: Any, spec: Any) -> Any:
     """`spec`, when it inserts axes (`None`, `tf.newaxis`), with the dims
     it leaves implicit (an `...`, or dims after its last entry) written
@@ -475,18 +486,13 @@ def every_dim_named(tensor: Any, spec: Any) -> Any:
     rank = getattr(tensor.shape, "rank", None)
     if rank is None or not any(part is None for part in parts):
         return spec
-    ellipses = sum(part is Ellipsis for part in parts)
-    if ellipses > 1 or not all(part is None or part is Ellipsis
-                               or _names_a_dim(part) for part in parts):
+    if sum(part is Ellipsis for part in parts) > 1 or not all(
+            part is None or part is Ellipsis or _names_a_dim(part)
+            for part in parts):
         return spec
-    implicit = rank - sum(_names_a_dim(part) for part in parts)
-    if implicit < 0:
-        return spec  # TensorFlow's own error names it
-    whole = (slice(None),) * implicit
-    if ellipses:
-        at = parts.index(Ellipsis)
-        return parts[:at] + whole + parts[at + 1:]
-    return parts + whole
+    written = _written_out(parts, rank)
+    # None: it names more dims than there are; TensorFlow's error says so.
+    return spec if written is None else written
 
 
 def _sliced_plainly(getitem: Any) -> Any:
@@ -532,8 +538,7 @@ def explicit_einsum(equation: str, operands: Any) -> str:
     for dims in zip(*shapes):  # a dim of 1 against another broadcasts
         if len({d for d in dims if d is not None}) > 1:
             return equation
-    free = [c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-            if c not in equation]
+    free = [c for c in string.ascii_letters if c not in equation]
     if len(free) < len(shapes[0]):
         return equation
     letters = "".join(free[:len(shapes[0])])
