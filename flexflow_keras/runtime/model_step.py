@@ -42,7 +42,7 @@ from flexflow_keras import user_random
 from flexflow_keras.model_state import state_of
 from flexflow_keras.runtime import (
     deferred, fresh_state, op_rules, realized, rolled_rnn, stateful_draws,
-    unfed_step, unroll, untracked,
+    step_rules, unfed_step, unroll, untracked,
 )
 from flexflow_keras.runtime.fallback import (
     fall_back, op_to_replicate, to_data_parallel, to_plain_keras,
@@ -368,10 +368,9 @@ class ModelStepExecutor:
         _ACTIVE.append(self)
         try:
             with deferred.deferring(step_vars), \
-                    deferred.conds_selected(step_vars), \
-                    op_rules.substitutes(self.mesh), \
-                    stateful_draws.drawing(self._random_state, self.mesh,
-                                           kind, self._unseeded_key), \
+                    step_rules.traced_as_steps(
+                        self.mesh, step_vars, self._random_state, kind,
+                        self._unseeded_key), \
                     attributes_set(self._constants), _TAPES.counting(), \
                     untracked.recording({id(k) for k, _, _ in self._pairs},
                                         self._untracked):

@@ -60,7 +60,7 @@ from flexflow_keras.capabilities import Probed
 from flexflow_keras.graph import Op, OpGraph
 from flexflow_keras.keras_graph import fill_arguments
 from flexflow_keras.runtime import (
-    deferred, dtensor_passes, op_rules, stateful_draws,
+    dtensor_passes, op_rules, stateful_draws, step_rules,
 )
 from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.tracing import without_memory_rewrites
@@ -77,8 +77,7 @@ _MAX_SWITCHES = 4  # ops turned replicated before a probe gives up
 # run-time bounds were rewritten: `op_rules.plain_slice`, or before
 # captured constants were copied: `variables.captures_on_mesh`, or
 # stateful draws were made stateless: `stateful_draws`, or before
-# `keras.ops.cond` ran as the step runs it: `deferred.conds_selected`)
-# are not reused.
+# `keras.ops.cond` ran as the step runs it: `step_rules`) are not reused.
 _PROBE_VERSION = "probe6"
 _MISSING_RULE = re.compile(r"'tf\.(\w+)' op does not implement")
 
@@ -290,21 +289,12 @@ def _forward_backward(
     # (Normalization's mean) replicated, as DTensor refuses a captured
     # regular tensor larger than a scalar.
     constants = layer_constants(layer, mesh) if mesh is not None else []
-    # As the runtime traces its steps: TensorFlow's stateful draws
-    # (keras.io's ShiftViT's DropPath calls `tf.random.uniform`) run as
-    # their stateless twins, which DTensor lays out (it refuses the
-    # stateful ops). Counters of the probe's own: nothing is kept.
-    draws = stateful_draws.drawing(dtensor.DVariable(to_layout(
+    # Under the rules the runtime traces its steps under (`step_rules`),
+    # with stateful draws on counters of the probe's own: nothing is kept.
+    rules = step_rules.traced_as_steps(mesh, [], dtensor.DVariable(to_layout(
         np.zeros(stateful_draws.SLOTS, np.int64), replicated(mesh, 1)
-    )), mesh, "train", 0) if mesh is not None else contextlib.nullcontext()
-    with unrolled(layer), attributes_set(constants), (
-        op_rules.substitutes(mesh) if mesh is not None
-        else contextlib.nullcontext()
-    ), (
-        # `keras.ops.cond` as the step runs it: both branches, selected.
-        deferred.conds_selected([]) if mesh is not None
-        else contextlib.nullcontext()
-    ), draws:
+    )), "train", 0) if mesh is not None else contextlib.nullcontext()
+    with unrolled(layer), attributes_set(constants), rules:
         concrete = function.get_concrete_function(specs, weights, states)
         if mesh is not None:
             captures_on_mesh(concrete, mesh)
