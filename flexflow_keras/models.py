@@ -97,18 +97,42 @@ class _PlanningModel(StrategyTrainer):
         self, x: Any = None, y: Any = None, batch_size: Any = None,
         *args: Any, **kwargs: Any,
     ) -> Any:
+        with own_loops.entered():
+            if state_of(self).settings is not None:
+                found, x = _peek_batch(x, batch_size)
+                self._plan_for(found)
+            return super().fit(x, y, batch_size, *args, **kwargs)
+
+    def train_on_batch(self, x: Any = None, *args: Any,
+                       **kwargs: Any) -> Any:
+        """`keras.Model.train_on_batch`, under the plan fit() would make.
+
+        Why: scripts that train batch by batch (a GAN's discriminator and
+        combined model, replay buffers in RL) never call fit(); without
+        this they trained as plain Keras on one device, unsaid. The first
+        call plans for its batch's size; later calls of another size run
+        under that plan, as fit()'s last partial batch does.
+        """
         state = state_of(self)
         with own_loops.entered():
-            if state.settings is not None:
-                found, x = _peek_batch(x, batch_size)
-                if (not self.built and found.input_shape is not None
-                        and not is_subclassed(self)):
-                    self.build(found.input_shape)  # as Keras's fit would
-                with user_random.kept():
-                    if needs_trace(self) and state.trace_failure is None:
-                        self._trace(found)
-                    self._ensure_plan(found.batch_size)
-            return super().fit(x, y, batch_size, *args, **kwargs)
+            if (state.settings is not None and state.plan is None
+                    and not state.warned_plain and x is not None):
+                self._plan_for(_Peeked(_leading_dim(x), x))
+            return super().train_on_batch(x, *args, **kwargs)
+
+    def _plan_for(self, found: "_Peeked") -> None:
+        """Builds, traces and plans the model for the data `found` reads
+        (fit's and train_on_batch's one way to a plan)."""
+        state = state_of(self)
+        if (not self.built and found.input_shape is not None
+                and not is_subclassed(self)):
+            self.build(found.input_shape)  # as Keras's fit would
+        with user_random.kept():
+            if needs_trace(self) and state.trace_failure is None:
+                self._trace(found)
+            # A notice points at the script's line, above the entry
+            # point (fit, train_on_batch) that called this.
+            self._ensure_plan(found.batch_size, stacklevel=4)
 
     def summary(self, *args: Any, **kwargs: Any) -> None:
         """Keras's summary, then each op's config and simulated time."""
@@ -164,15 +188,16 @@ class _PlanningModel(StrategyTrainer):
             if failure is not None:
                 state_of(self).trace_failure = failure
 
-    def _ensure_plan(self, batch_size: int) -> None:
-        """Plans for `batch_size` once, then attaches it to the runtime."""
+    def _ensure_plan(self, batch_size: int, stacklevel: int = 3) -> None:
+        """Plans for `batch_size` once, then attaches it to the runtime
+        (`stacklevel`: a notice's, counted from here to the script)."""
         from flexflow_keras import capabilities, planner, runtime
 
         state = state_of(self)
         reason = _why_plain_keras(self)
         if reason is not None:
             if not state.warned_plain:
-                notices.must_tell(reason, stacklevel=3)
+                notices.must_tell(reason, stacklevel=stacklevel)
                 state.warned_plain = True
             if state.executor is not None:  # planned before: detach
                 runtime.detach_strategy(self)
@@ -390,6 +415,12 @@ def _peek_batch(x: Any, batch_size: int | None) -> tuple[_Peeked, Any]:
         return _Peeked(int(leaf.shape[0]), inputs), x
     size = _KERAS_DEFAULT_BATCH_SIZE if batch_size is None else batch_size
     return _Peeked(int(size), x), x
+
+
+def _leading_dim(x: Any) -> int:
+    """The batch dim of one batch of inputs (arrays, tensors, a list or
+    dict of them)."""
+    return int(np.shape(keras.tree.flatten(x)[0])[0])
 
 
 def _dataset_batch(dataset: Any) -> _Peeked | None:

@@ -281,6 +281,7 @@ def _after_sync(name: str, sync: str) -> Any:
 # the module docstring's weight-sync rule, in one table.
 for _name, _sync in (
     ("evaluate", "_sync_in"), ("predict", "_sync_in"),
+    ("test_on_batch", "_sync_in"), ("predict_on_batch", "_sync_in"),
     ("get_weights", "_sync_out"), ("save", "_sync_out"),
     ("save_weights", "_sync_out"),
 ):
