@@ -207,35 +207,43 @@ def _one_device_if_nothing_fits(
     fits in memory, but the whole model on one does.
 
     Why: virtual CPU devices share the host's memory, and the simulator
-    gives each its share. A plan that does not fit it (a layer DTensor
-    runs only replicated computes its whole batch on every device:
-    keras.io's image_classification_from_scratch, 180x180 images,
-    SeparableConv2D) was trained anyway and the process was killed for
+    gives each its share (what the search keeps to). A plan that does
+    not fit it (a layer DTensor runs only replicated computes its whole
+    batch on every device: keras.io's image_classification_from_scratch,
+    180x180 images, SeparableConv2D) was trained anyway and the process was killed for
     memory, where plain Keras trains. On one device (Keras's own step)
     the model may use the whole host. What DTensor holds on virtual
     CPU devices is `DTENSOR_CPU_MEMORY_FACTOR` times what the simulator
     counts (with depthwise convolutions split, the same script planned
     data parallelism at 3.3 GiB a device and was killed at 24 GiB).
+
+    The plan fits when what its devices hold together fits the host:
+    one pool, as the factor was measured (all devices' growth against
+    the simulator's sum). A plan over 2 of 4 devices may use half the
+    host each (keras.io's transfer-learning guide, Xception at 150x150,
+    batch 64: 6.3 GiB a device on 2 devices, over the 5.9 GiB share;
+    it ran at a 16.4 GiB peak on a 23.5 GiB host, and had been sent to
+    one device).
     """
     devices = machine.devices
     if (not machine.live or devices[0].kind != "CPU" or len(devices) < 2):
         return plan
-    peak = max(sim.simulate(plan.strategy).peak_memory_bytes)
-    if peak * DTENSOR_CPU_MEMORY_FACTOR <= devices[0].memory_bytes:
+    peaks = sim.simulate(plan.strategy).peak_memory_bytes
+    host = sum(d.memory_bytes for d in devices)
+    if sum(peaks) * DTENSOR_CPU_MEMORY_FACTOR <= host:
         return plan
     one = Strategy.data_parallel(plan.graph, 1)
     needs = sim.simulate(one).peak_memory_bytes[0]
-    host = sum(d.memory_bytes for d in devices)
     if needs > host:
         return plan
     gib = 2.0 ** 30
     warnings.warn(
         f"Model '{model.name}' trains on one device: no strategy over the "
         f"{len(devices)} virtual CPU devices fits in memory (they share "
-        f"the host's {host / gib:.1f} GiB, {devices[0].memory_bytes / gib:.1f}"
-        f" GiB each; the plan's step needs about "
-        f"{peak * DTENSOR_CPU_MEMORY_FACTOR / gib:.1f} GiB a device under "
-        f"DTensor), and on one device its step needs "
+        f"the host's {host / gib:.1f} GiB; the plan's step needs about "
+        f"{sum(peaks) * DTENSOR_CPU_MEMORY_FACTOR / gib:.1f} GiB on its "
+        f"{sum(1 for p in peaks if p)} devices under DTensor), and on one "
+        f"device its step needs "
         f"{needs / gib:.1f} GiB. Use a smaller batch, or fewer devices "
         "(`--cpu-devices`), for a strategy over several.",
         stacklevel=3,

@@ -153,20 +153,26 @@ class OneDeviceWhenNothingFitsTest(unittest.TestCase):
     them fits (keras.io's image_classification_from_scratch was killed for
     memory) but the model on one does, it trains on one device."""
 
+    @staticmethod
+    def _machine(memory):
+        """4 live virtual CPU devices of `memory` bytes each."""
+        from flexflow_keras import machine as machine_lib
+
+        return machine_lib.MachineModel(
+            "live", machine_lib.DeviceSpec("CPU", 0, 50e9, memory, 20.0,
+                                           0.002),
+            1, 4, machine_lib.LinkGroup("host", 10.0, 0.005), live=True,
+        )
+
     def _plan(self, memory):
         from unittest import mock
 
         from flexflow_keras import machine as machine_lib
 
-        live = machine_lib.MachineModel(
-            "live", machine_lib.DeviceSpec("CPU", 0, 50e9, memory, 20.0,
-                                           0.002),
-            1, 4, machine_lib.LinkGroup("host", 10.0, 0.005), live=True,
-        )
         keras.backend.clear_session()
         model = model_zoo.mlp()
         with mock.patch.object(machine_lib, "load_machine",
-                               return_value=live):
+                               return_value=self._machine(memory)):
             return planner.make_plan(
                 model, 64, Settings(search_budget=0, machine="live"),
                 verbose=0,
@@ -202,3 +208,38 @@ class OneDeviceWhenNothingFitsTest(unittest.TestCase):
         self.assertEqual(self._plan(tight).source, "one_device")
         roomier = int(spread * planner.DTENSOR_CPU_MEMORY_FACTOR) + 1
         self.assertEqual(self._plan(roomier).source, "data_parallel")
+
+    def test_a_plan_over_fewer_devices_may_use_their_share_of_the_host(self):
+        """The devices share one pool: a plan over 2 of 4 devices that
+        needs more than a quarter of the host on each, but less than
+        the host in all, keeps its strategy (keras.io's transfer-learning
+        guide was sent to one device)."""
+        import dataclasses
+        import warnings
+
+        from flexflow_keras import simulator
+
+        roomy = self._plan(2**40)
+        two = Strategy.data_parallel(roomy.graph, 2)
+        plan = dataclasses.replace(roomy, strategy=two, source="search")
+
+        def checked(memory):
+            machine = self._machine(memory)
+            sim = simulator.Simulator(plan.graph, machine,
+                                      optimizer_slots=optimizer_slots(None))
+            with warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                return planner._one_device_if_nothing_fits(
+                    model_zoo.mlp(), plan, sim, machine)
+
+        sim = simulator.Simulator(plan.graph, roomy.machine,
+                                  optimizer_slots=optimizer_slots(None))
+        peaks = sim.simulate(two).peak_memory_bytes
+        self.assertEqual(sum(1 for p in peaks if p), 2)
+        pooled = sum(peaks) * planner.DTENSOR_CPU_MEMORY_FACTOR
+        share = int(pooled / 4) + 1  # the host fits the two devices' sum
+        self.assertGreater(max(peaks) * planner.DTENSOR_CPU_MEMORY_FACTOR,
+                           share)  # but not one device's share
+        self.assertEqual(checked(share).source, "search")
+        self.assertEqual(checked(int(pooled / 4 * 0.9)).source,
+                         "one_device")
