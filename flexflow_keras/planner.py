@@ -210,8 +210,8 @@ def _one_device_if_nothing_fits(
     gives each its share (what the search keeps to). A plan that does
     not fit it (a layer DTensor runs only replicated computes its whole
     batch on every device: keras.io's image_classification_from_scratch,
-    180x180 images, SeparableConv2D) was trained anyway and the process was killed for
-    memory, where plain Keras trains. On one device (Keras's own step)
+    180x180 images, SeparableConv2D) was trained anyway and the process
+    was killed for memory, where plain Keras trains. On one device (Keras's own step)
     the model may use the whole host. What DTensor holds on virtual
     CPU devices is `DTENSOR_CPU_MEMORY_FACTOR` times what the simulator
     counts (with depthwise convolutions split, the same script planned
@@ -222,7 +222,7 @@ def _one_device_if_nothing_fits(
     the simulator's sum). A plan over 2 of 4 devices may use half the
     host each (keras.io's transfer-learning guide, Xception at 150x150,
     batch 64: 6.3 GiB a device on 2 devices, over the 5.9 GiB share;
-    it ran at a 16.4 GiB peak on a 23.5 GiB host, and had been sent to
+    it ran at a 16.2 GiB peak on a 23.5 GiB host, and had been sent to
     one device).
     """
     devices = machine.devices
