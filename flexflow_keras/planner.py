@@ -211,11 +211,12 @@ def _one_device_if_nothing_fits(
     not fit it (a layer DTensor runs only replicated computes its whole
     batch on every device: keras.io's image_classification_from_scratch,
     180x180 images, SeparableConv2D) was trained anyway and the process
-    was killed for memory, where plain Keras trains. On one device (Keras's own step)
-    the model may use the whole host. What DTensor holds on virtual
-    CPU devices is `DTENSOR_CPU_MEMORY_FACTOR` times what the simulator
-    counts (with depthwise convolutions split, the same script planned
-    data parallelism at 3.3 GiB a device and was killed at 24 GiB).
+    was killed for memory, where plain Keras trains. On one device
+    (Keras's own step) the model may use the whole host. What DTensor
+    holds on virtual CPU devices is `DTENSOR_CPU_MEMORY_FACTOR` times
+    what the simulator counts (with depthwise convolutions split, the
+    same script planned data parallelism at 3.3 GiB a device and was
+    killed at 24 GiB).
 
     The plan fits when what its devices hold together fits the host:
     one pool, as the factor was measured (all devices' growth against
