@@ -411,8 +411,7 @@ def _peek_batch(x: Any, batch_size: int | None) -> tuple[_Peeked, Any]:
         x = _prepend(first, x)
     if first is not None:
         inputs = first[0] if isinstance(first, tuple) else first
-        leaf = keras.tree.flatten(inputs)[0]
-        return _Peeked(int(leaf.shape[0]), inputs), x
+        return _Peeked(_leading_dim(inputs), inputs), x
     size = _KERAS_DEFAULT_BATCH_SIZE if batch_size is None else batch_size
     return _Peeked(int(size), x), x
 
