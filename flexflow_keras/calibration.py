@@ -113,6 +113,9 @@ def measure(device_names: tuple[str, ...]) -> Calibration:
     """Measures the figures on the attached devices (a few seconds)."""
     from tensorflow.experimental import dtensor
 
+    from flexflow_keras.runtime import dtensor_passes
+
+    dtensor_passes.make_device()
     mesh = dtensor.create_mesh(
         [("x", len(device_names))], devices=list(device_names)
     )

@@ -8,7 +8,11 @@ first traced, so this is where a model with such an op (say
 import re
 from typing import Any
 
+import tensorflow as tf
+from tensorflow.python.eager import context
 from tensorflow.python.framework import error_interpolation
+
+from flexflow_keras.model_state import state_of
 
 from flexflow_keras.search_space import one_mesh_data_parallel
 
@@ -23,6 +27,26 @@ _INCONSISTENT = re.compile(
     r"op output inconsistent with the provided layout[\s\S]*?"
     r"see current operation: %\S+ = \"tf\.(\w+)\""
 )
+
+
+# What TensorFlow says once a step failed while the other devices waited
+# in a collective: it aborts that device group's collectives for the life
+# of the process ("Restart your program to reset"), and DTensor's next
+# steps over those devices are cancelled before they start, then fail on
+# the aborted collectives (measured on TF 2.21; calling again did not
+# help).
+_COLLECTIVES_ABORTED = re.compile(
+    r"Collective ops is aborted by|group is cancelled"
+    r"|Function was cancelled before it was started"
+)
+
+
+def collectives_aborted(error: Exception) -> bool:
+    """Whether `error` says DTensor's steps can no longer run over these
+    devices in this process (an earlier step failed while they
+    waited)."""
+    return (isinstance(error, tf.errors.CancelledError)
+            and _COLLECTIVES_ABORTED.search(str(error)) is not None)
 
 
 def op_to_replicate(error: Exception) -> str | None:
@@ -47,8 +71,8 @@ def fall_back(
 
     No value was changed by the failed step, and detaching copies out
     what earlier steps trained (weights and optimizer state), so Keras
-    goes on from exactly there (and raises the error itself, if it was
-    not DTensor's).
+    goes on from exactly there. Where Keras fails on the same batch, the
+    error was not DTensor's: Keras raises it and the strategy stays.
 
     Args:
         model: The `StrategyTrainer` model.
@@ -60,12 +84,24 @@ def fall_back(
         first_run: Whether this was the step function's first run (one
             function whose writes come at its end: all or nothing).
     """
+    if isinstance(error, tf.errors.OpError):
+        # Where DTensor's device is asynchronous (a script that used
+        # DTensor before the import), a failed run's error stays pending.
+        context.async_clear_error()
+    if collectives_aborted(error) and not half_done:
+        return to_plain_keras(
+            model, kind,
+            "an earlier step failed while it ran (see its error), and "
+            "TensorFlow cancels DTensor's later steps over these devices "
+            "in this process. Restart the script to train under the "
+            "strategy again", data,
+        )
     found = _NO_DTENSOR_RULE.search(str(error))
     if found is None and not first_run:
         raise error
     if found is None:
         first_line = str(error).strip().splitlines()[0][:300]
-        return to_plain_keras(
+        return _to_plain_keras_unless_it_fails_too(
             model, kind,
             "TensorFlow's DTensor could not run its first "
             f"{kind} step under the strategy ({type(error).__name__}: "
@@ -100,6 +136,41 @@ def to_plain_keras(model: Any, kind: str, reason: str, data: Any) -> Any:
     getattr(model, f"make_{kind}_function")(force=True)
     _train_function_kept(model, kind)
     return getattr(model, f"{kind}_function")(data)
+
+
+def _to_plain_keras_unless_it_fails_too(
+    model: Any, kind: str, reason: str, data: Any
+) -> Any:
+    """`to_plain_keras`, if Keras's own step runs `data`; if it fails too,
+    the batch or the user's code is at fault, not DTensor (a label
+    outside the classes, a shape the model refuses): the model keeps its
+    strategy and Keras's error is raised, the one a plain Keras user
+    would see. Once the user mends the data, the next fit trains under
+    the strategy again; before, one bad batch sent the model to plain
+    Keras for good."""
+    from flexflow_keras.runtime.trainer import detach_strategy  # a cycle
+
+    state = state_of(model)
+    executor = state.executor
+    detach_strategy(model)  # trained values out: Keras goes on from them
+    getattr(model, f"make_{kind}_function")(force=True)
+    try:
+        outputs = getattr(model, f"{kind}_function")(data)
+    except Exception as keras_error:
+        state.executor = executor
+        model.train_function = None
+        model.test_function = None
+        model.predict_function = None
+        raise keras_error from None
+    kept = model.train_function, model.test_function, model.predict_function
+    model._strategy_failed(
+        f"Model '{model.name}' trains as plain Keras on one device "
+        f"from now on: {reason.rstrip('.')}. Results are those of plain "
+        "Keras."
+    )
+    model.train_function, model.test_function, model.predict_function = kept
+    _train_function_kept(model, kind)
+    return outputs
 
 
 def to_data_parallel(

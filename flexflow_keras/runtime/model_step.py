@@ -45,7 +45,8 @@ from flexflow_keras.runtime import (
     step_rules, unfed_step, unroll, untracked,
 )
 from flexflow_keras.runtime.fallback import (
-    fall_back, op_to_replicate, to_data_parallel, to_plain_keras,
+    collectives_aborted, fall_back, op_to_replicate, to_data_parallel,
+    to_plain_keras,
 )
 from flexflow_keras.runtime.host_prefix import CalledElsewhere, HostPrefix
 from flexflow_keras.runtime.keras_functions import keras_function
@@ -666,6 +667,8 @@ class ModelStepExecutor:
             return to_plain_keras(self.model, kind, str(error), batches)
         if not isinstance(error, tf.errors.OpError):
             raise error
+        if collectives_aborted(error):  # no retrace can help
+            return fall_back(self.model, kind, error, batches, False)
         first = (kind, _batch_of(batch)) not in self._ran
         if first:
             context.async_clear_error()

@@ -98,7 +98,7 @@ def probe_graph(
     if not ops or len(device_names) < 2:
         return graph
     cache = _Cache(cache_path or DEFAULT_CACHE_PATH)
-    dtensor_passes.choose_for(graph)  # before DTensor's device exists
+    dtensor_passes.make_device(graph)
     mesh = dtensor.create_mesh([("batch", 2)], devices=list(device_names[:2]))
     found: dict[str, Probed] = {}
     for op in ops:

@@ -23,6 +23,7 @@ trains from.
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 from flexflow_keras import notices
 from flexflow_keras.model_state import state_of
@@ -65,7 +66,7 @@ def make_executor(model: Any, graph: Any, strategy: Any,
     device when the strategy uses one."""
     from flexflow_keras import devices
 
-    dtensor_passes.choose_for(graph)  # before DTensor's device exists
+    dtensor_passes.make_device(graph)
     op_rules.enable()  # before anything is traced on a mesh
     meshes = layouts.MeshCache(device_names, devices.local_device_names())
     plans = layouts.plan_ops(graph, strategy, meshes)
@@ -215,10 +216,13 @@ class StrategyTrainer:
             callbacks = [sync] + list(callbacks or [])
         try:  # `sync` copies Keras values in at each epoch's start
             try:
-                return super().fit(x, y, batch_size, epochs, verbose,
-                                   callbacks, **kwargs)
-            finally:
-                self._sync_out()
+                history = super().fit(x, y, batch_size, epochs, verbose,
+                                      callbacks, **kwargs)
+            except Exception:
+                self._sync_out_after_failure()
+                raise
+            self._sync_out()
+            return history
         except Exception as error:
             lost = clients.lost_host(error)
             if lost is None:
@@ -237,12 +241,26 @@ class StrategyTrainer:
         if executor is not None:
             executor.sync_out()
 
+    def _sync_out_after_failure(self) -> None:
+        """`_sync_out` after a fit that raised: what the fit trained comes
+        back where DTensor can still read it, and the fit's own error is
+        the one the script sees. Where TensorFlow cancels DTensor's calls
+        after the failure (a lost host, aborted collectives), the copy
+        fails too, and its `CancelledError` would hide the cause."""
+        try:
+            self._sync_out()
+        except tf.errors.OpError:
+            pass
+
     def train_on_batch(self, *args, **kwargs):
         self._sync_in()
         try:
-            return super().train_on_batch(*args, **kwargs)
-        finally:
-            self._sync_out()
+            logs = super().train_on_batch(*args, **kwargs)
+        except Exception:
+            self._sync_out_after_failure()
+            raise
+        self._sync_out()
+        return logs
 
     def reset_metrics(self):
         sync = getattr(self.strategy_executor, "sync_metrics_in", None)
