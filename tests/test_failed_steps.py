@@ -178,5 +178,37 @@ class FailedStepTest(unittest.TestCase):
                     self.assertIn("Restart the script", got["told"][0])
 
 
+class InterruptedFitTest(unittest.TestCase):
+    def test_a_fit_stopped_by_ctrl_c_leaves_the_trained_weights(self):
+        """KeyboardInterrupt (Ctrl-C in a notebook) mid-fit: the layers'
+        variables, read directly, hold what the steps before it trained,
+        as in plain Keras."""
+        import keras
+
+        import flexflow_keras as fk
+
+        class Stop(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if batch == 2:
+                    raise KeyboardInterrupt
+
+        x, y = _data()
+        read = {}
+        for name, mod in (("plain", keras), ("ours", fk)):
+            keras.utils.set_random_seed(3)
+            model = _model(mod)
+            model.compile(optimizer=mod.optimizers.SGD(0.05, momentum=0.9),
+                          loss=mod.losses.SparseCategoricalCrossentropy(
+                              from_logits=True))
+            with self.assertRaises(KeyboardInterrupt):
+                model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                          verbose=0, callbacks=[Stop()])
+            if mod is fk:
+                self.assertIsNotNone(model.strategy_executor)
+            read[name] = [np.array(v.numpy()) for v in model.weights]
+        for a, b in zip(read["plain"], read["ours"]):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -218,7 +218,7 @@ class StrategyTrainer:
             try:
                 history = super().fit(x, y, batch_size, epochs, verbose,
                                       callbacks, **kwargs)
-            except Exception:
+            except BaseException:  # Ctrl-C too: what was trained
                 self._sync_out_after_failure()
                 raise
             self._sync_out()
@@ -256,7 +256,7 @@ class StrategyTrainer:
         self._sync_in()
         try:
             logs = super().train_on_batch(*args, **kwargs)
-        except Exception:
+        except BaseException:  # Ctrl-C too: what was trained
             self._sync_out_after_failure()
             raise
         self._sync_out()
