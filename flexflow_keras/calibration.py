@@ -113,9 +113,9 @@ def measure(device_names: tuple[str, ...]) -> Calibration:
     """Measures the figures on the attached devices (a few seconds)."""
     from tensorflow.experimental import dtensor
 
-    from flexflow_keras.runtime import dtensor_passes
+    from flexflow_keras import devices
 
-    dtensor_passes.make_device()
+    devices.synchronous_dtensor()
     mesh = dtensor.create_mesh(
         [("x", len(device_names))], devices=list(device_names)
     )

@@ -54,6 +54,33 @@ def setup_devices(cpu_devices: int | None) -> None:
         _initialize_clients("CPU")
 
 
+def synchronous_dtensor() -> None:
+    """Makes DTensor's device synchronous (each call returns when its
+    work is done), before DTensor's first use in this process; a device
+    that exists already (the script used DTensor itself first) is left
+    as it is.
+
+    Why: in DTensor's default asynchronous mode a step that fails while
+    it runs (a label outside the classes, an embedding id past the table,
+    an assertion in the user's code) cancels every later DTensor op for
+    the life of the process (measured on TF 2.21: each raises
+    `CancelledError`; DTensor's own recovery, a copy off the device,
+    crashed the process). A script could then neither train the model
+    again once its data was mended nor read back what it had trained.
+    Synchronous, the failed step raises its error and the next one runs.
+    The cost, measured, is in docs/RUNTIME.md ("Synchronous DTensor
+    calls"). Not at import: making the device initialises TensorFlow,
+    after which a script's own device settings (`set_memory_growth`)
+    would fail.
+    """
+    from tensorflow.dtensor.python import api
+
+    # TensorFlow's module-level device; if a version renames it, the
+    # device is taken to exist (TensorFlow's default then stays).
+    if getattr(api, "_dtensor_singleton", True) is None:
+        api.reset_dtensor_device(is_async=False)
+
+
 # Seed every client's random generators alike, before the script runs.
 CLIENT_SEED = 0
 

@@ -1,19 +1,6 @@
-"""DTensor's device, made once per process with the settings it reads
-only then: synchronous execution, and all-reduce combining chosen by
-model size.
-
-**Synchronous** (`make_device`). In DTensor's default asynchronous mode a
-step that fails while it runs (a label outside the classes, an embedding
-id past the table, an assertion in the user's code) cancels every later
-DTensor op for the life of the process (measured on TF 2.21: each raises
-`CancelledError`; DTensor's own recovery, a copy off the device, crashed
-the process). A script could then neither train the model again once its
-data was mended nor read back what it had trained. Synchronous, the
-failed step raises its error and the next one runs. The cost is the
-overlap of a step with the host's work for the next one (docs/RUNTIME.md
-has the figures).
-
-**All-reduce combining.**
+"""DTensor's all-reduce combining, chosen once per process by model size
+(`make_device` makes DTensor's device with it, and synchronous:
+`devices.synchronous_dtensor`).
 
 DTensor merges independent all-reduces of a function into one
 (`DTensorAllReduceCombineOptimization`). To find which are independent
@@ -40,7 +27,7 @@ it. A user's own `DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION` wins.
 
 from typing import Any
 
-from flexflow_keras import settings
+from flexflow_keras import devices, settings
 
 # Layer calls from which a model's first steps run without the pass.
 DEEP_GRAPH_OPS = 200
@@ -59,15 +46,10 @@ def choose_for(graph: Any) -> bool | None:
     return settings.combine_all_reduces(len(graph) < DEEP_GRAPH_OPS)
 
 
-def make_device(graph: Any = None) -> None:
-    """Makes DTensor's device before its first use in this process:
-    synchronous, all-reduce combining chosen for `graph` (`choose_for`;
-    None leaves the switch as it is). A device that exists already (the
-    script used DTensor itself first) is left as it is."""
-    from tensorflow.dtensor.python import api
-
-    if getattr(api, "_dtensor_singleton", True) is not None:
-        return
-    if graph is not None:
-        choose_for(graph)
-    api.reset_dtensor_device(is_async=False)
+def make_device(graph: Any) -> None:
+    """Makes DTensor's device before its first use in this process, with
+    all-reduce combining chosen for `graph` (`choose_for`), synchronous
+    (`devices.synchronous_dtensor`). A device that exists already is left
+    as it is."""
+    choose_for(graph)
+    devices.synchronous_dtensor()

@@ -12,7 +12,6 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 from tensorflow.python.framework import error_interpolation
 
-from flexflow_keras.model_state import state_of
 
 from flexflow_keras.search_space import one_mesh_data_parallel
 
@@ -47,6 +46,22 @@ def collectives_aborted(error: Exception) -> bool:
     waited)."""
     return (isinstance(error, tf.errors.CancelledError)
             and _COLLECTIVES_ABORTED.search(str(error)) is not None)
+
+
+def failed_while_running(error: Exception) -> bool:
+    """Whether a DTensor step's `error` came from a kernel as the step ran
+    (TensorFlow names the node: "[[{{node ...}}]]"), not from DTensor's
+    expansion of the step.
+
+    Why it matters: such a step may have computed wrongly before it
+    failed (rows selected by `tf.boolean_mask` over a split batch:
+    "indices[3] = 8 is not in [0, 8)"), and traced another way it may
+    run without failing and still compute wrongly (measured: a loss 5%
+    off plain Keras's, unsaid). So it is not traced again; Keras runs the
+    batch instead (`fall_back`), which also tells the user's own error
+    (a label outside the classes) from DTensor's."""
+    return (isinstance(error, tf.errors.OpError)
+            and "[[{{node " in str(error))
 
 
 def op_to_replicate(error: Exception) -> str | None:
@@ -128,14 +143,17 @@ def fall_back(
 def to_plain_keras(model: Any, kind: str, reason: str, data: Any) -> Any:
     """Plain Keras on one device from now on, starting with `data`,
     after a step that changed nothing; says `reason` once."""
-    model._strategy_failed(
-        f"Model '{model.name}' trains as plain Keras on one device "
-        f"from now on: {reason.rstrip('.')}. Results are those of plain "
-        "Keras."
-    )
+    model._strategy_failed(_plain_keras_from_now_on(model, reason))
     getattr(model, f"make_{kind}_function")(force=True)
     _train_function_kept(model, kind)
     return getattr(model, f"{kind}_function")(data)
+
+
+def _plain_keras_from_now_on(model: Any, reason: str) -> str:
+    """The warning of a model handed to plain Keras for `reason`."""
+    return (f"Model '{model.name}' trains as plain Keras on one device "
+            f"from now on: {reason.rstrip('.')}. Results are those of "
+            "plain Keras.")
 
 
 def _to_plain_keras_unless_it_fails_too(
@@ -148,26 +166,18 @@ def _to_plain_keras_unless_it_fails_too(
     would see. Once the user mends the data, the next fit trains under
     the strategy again; before, one bad batch sent the model to plain
     Keras for good."""
-    from flexflow_keras.runtime.trainer import detach_strategy  # a cycle
 
-    state = state_of(model)
-    executor = state.executor
-    detach_strategy(model)  # trained values out: Keras goes on from them
-    getattr(model, f"make_{kind}_function")(force=True)
+    def keras_step():
+        getattr(model, f"make_{kind}_function")(force=True)
+        return getattr(model, f"{kind}_function")(data)
+
     try:
-        outputs = getattr(model, f"{kind}_function")(data)
-    except Exception as keras_error:
-        state.executor = executor
-        model.train_function = None
-        model.test_function = None
-        model.predict_function = None
+        outputs = model._run_without_strategy(keras_step)
+    except Exception as keras_error:  # noqa: BLE001 - Keras's, for the user
         raise keras_error from None
+    # Keras's functions made above stay (`_strategy_failed` clears them).
     kept = model.train_function, model.test_function, model.predict_function
-    model._strategy_failed(
-        f"Model '{model.name}' trains as plain Keras on one device "
-        f"from now on: {reason.rstrip('.')}. Results are those of plain "
-        "Keras."
-    )
+    model._strategy_failed(_plain_keras_from_now_on(model, reason))
     model.train_function, model.test_function, model.predict_function = kept
     _train_function_kept(model, kind)
     return outputs

@@ -45,8 +45,8 @@ from flexflow_keras.runtime import (
     step_rules, unfed_step, unroll, untracked,
 )
 from flexflow_keras.runtime.fallback import (
-    collectives_aborted, fall_back, op_to_replicate, to_data_parallel,
-    to_plain_keras,
+    collectives_aborted, fall_back, failed_while_running, op_to_replicate,
+    to_data_parallel, to_plain_keras,
 )
 from flexflow_keras.runtime.host_prefix import CalledElsewhere, HostPrefix
 from flexflow_keras.runtime.keras_functions import keras_function
@@ -672,6 +672,8 @@ class ModelStepExecutor:
         first = (kind, _batch_of(batch)) not in self._ran
         if first:
             context.async_clear_error()
+        if first and failed_while_running(error):  # Keras decides
+            return fall_back(self.model, kind, error, batches, False, True)
         if first and self.loops.unroll_instead():
             # Rolled loops DTensor refuses (before the last output came
             # from the loop's carries: "operand #0 does not dominate this

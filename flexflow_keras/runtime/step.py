@@ -34,7 +34,9 @@ from flexflow_keras.keras_graph import fill_arguments, function_of
 from flexflow_keras.runtime import (
     fresh_state, op_rules, rolled_rnn, unfed_step, unroll,
 )
-from flexflow_keras.runtime.fallback import collectives_aborted, fall_back
+from flexflow_keras.runtime.fallback import (
+    collectives_aborted, fall_back, failed_while_running,
+)
 from flexflow_keras.runtime.keras_functions import keras_function
 from flexflow_keras.runtime.model_step import keras_logits
 from flexflow_keras.runtime.tracing import step_function
@@ -618,6 +620,7 @@ class Executor:
             return self._to_own_step(kind, str(error), batches)
         if isinstance(error, tf.errors.OpError):
             if (not self.updated and not collectives_aborted(error)
+                    and not failed_while_running(error)
                     and self.loops.unroll_instead()):
                 # Rolled loops DTensor refuses run unrolled; nothing took
                 # the step: it is redone.

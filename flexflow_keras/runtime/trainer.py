@@ -131,6 +131,22 @@ class StrategyTrainer:
         notices.must_tell(reason, stacklevel=2)
         detach_strategy(self)
 
+    def _run_without_strategy(self, run: Any) -> Any:
+        """`run()` as plain Keras, the values trained so far copied out
+        first; if it raises, the model is back under its strategy (as it
+        was: `run` changed nothing it keeps) and the error goes on."""
+        state = state_of(self)
+        executor = state.executor
+        detach_strategy(self)
+        try:
+            return run()
+        except BaseException:
+            state.executor = executor
+            self.train_function = None
+            self.test_function = None
+            self.predict_function = None
+            raise
+
     def _strategy_replaced(self, graph: Any, strategy: Any,
                            reason: str) -> None:
         """The strategy cannot compute this model's step right: says
