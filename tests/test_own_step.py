@@ -226,6 +226,47 @@ def build_train_step_without_call(mod):
     return model, (_dense_data()[0], None)
 
 
+def build_encoder_built_in_step(mod):
+    """keras.io's semi-supervised SimCLR pattern: the encoder is a
+    `Sequential` without an `Input`, so its layers are first built when
+    `train_step` calls it; the step draws noise with `tf.random`, the
+    encoder drops out, and `self.optimizer` updates the weights the
+    first step made. It crashed: the weights' initial values went
+    through the step's layouts, and the optimizer was built before
+    them ("Unknown variable")."""
+    import tensorflow as tf
+
+    class Classifier(mod.Model):
+        def __init__(self):
+            super().__init__()
+            self.encoder = mod.Sequential([
+                mod.layers.Dense(16, activation="relu"),
+                mod.layers.Dropout(0.25),
+                mod.layers.Dense(8, activation="relu"),
+            ])
+            self.head = mod.Sequential([mod.Input((8,)), mod.layers.Dense(4)])
+            self.loss_tracker = keras.metrics.Mean(name="loss")
+
+        @property
+        def metrics(self):
+            return [self.loss_tracker]
+
+        def train_step(self, data):
+            x, y = data
+            x = x + tf.random.normal(tf.shape(x), stddev=0.1)
+            with tf.GradientTape() as tape:
+                pred = self.head(self.encoder(x, training=True))
+                loss = keras.ops.mean(keras.ops.square(pred - y))
+            grads = tape.gradient(loss, self.trainable_weights)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+            self.loss_tracker.update_state(loss)
+            return {"loss": self.loss_tracker.result()}
+
+    model = Classifier()
+    model.compile(optimizer="adam")
+    return model, _dense_data()
+
+
 def build_add_loss(mod):
     return _mlp(mod, layer=_Chain(
         mod.layers.Dense(16, activation="relu"), AddsLoss())
@@ -384,6 +425,7 @@ OPTION_CASES = {
 FEATURES = {
     "train_step": build_train_step,
     "train_step_without_call": build_train_step_without_call,
+    "encoder_built_in_step": build_encoder_built_in_step,
     "distiller_compute_loss": build_distiller,
     "distiller_conv_teacher": build_conv_distiller,
     "add_loss": build_add_loss,
@@ -399,7 +441,8 @@ FEATURES = {
     **{n: optimizer_case(c) for n, c in OPTION_CASES.items()},
 }
 FAST = (
-    "train_step", "train_step_without_call", "distiller_compute_loss",
+    "train_step", "train_step_without_call", "encoder_built_in_step",
+    "distiller_compute_loss",
     "distiller_conv_teacher", "add_loss", "regularizers",
     "mask_zero_lstm", "masked_bidirectional_lstm", "no_compiled_loss",
     "optimizer_Nadam", "adam_gradient_accumulation",

@@ -277,9 +277,10 @@ class ModelStepExecutor:
             )
         return added
 
-    def _build(self, data: Any) -> None:
+    def _build(self, data: Any, kind: str) -> None:
         """Builds what Keras would build in the first traced step (the
-        compiled metrics and loss, the optimizer's slots), from a batch."""
+        compiled metrics and loss, the optimizer's slots, layers the
+        model's own step builds on first use), from a batch."""
         model = self.model
         if getattr(self, "_built", False):
             return
@@ -296,6 +297,8 @@ class ModelStepExecutor:
                 pass
         # Keras builds the rest in the first trace; the variables it
         # makes there are realized and the step traced again.
+        # First: an optimizer built before them would not know them.
+        _layers_built_by_a_plain_trace(model, kind, data)
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and not optimizer.built:
             optimizer.build(model.trainable_variables)
@@ -629,7 +632,7 @@ class ModelStepExecutor:
         """One step of `kind` on one batch; regular tensors out."""
         function = self._functions.get((kind, _batch_of(data)))
         if function is None and kind != "predict":
-            self._build(data)
+            self._build(data, kind)
         batch = self._on_mesh(data)  # once: copies, host lookups
         if function is None:
             self._realize()
@@ -715,6 +718,32 @@ class ModelStepExecutor:
             self._functions.clear()
             return self.make_function(kind)(batches)
         return fall_back(self.model, kind, error, batches, False, first)
+
+
+def _layers_built_by_a_plain_trace(model: Any, kind: str, data: Any) -> None:
+    """Builds the layers `model`'s own step builds on first use by
+    tracing that step once in plain TensorFlow, as Keras's own first
+    trace builds them (traced, never run).
+
+    Why: a subclassed model holding an encoder `Sequential` without an
+    `Input`, first called in its `train_step` (keras.io's semi-supervised
+    SimCLR). Built inside the DTensor trace, the encoder's initial
+    weights went through the step's layouts, which TensorFlow then ran
+    on a regular device ("No OpKernel was registered to support Op
+    'Relayout'"): the variables were left empty, and the model failed in
+    plain Keras too. Where the step applies `self.optimizer`, the
+    optimizer was built first, without them ("Unknown variable ... This
+    optimizer can only be called for the variables it was originally
+    built with"). Built here, they draw the values Keras's first trace
+    draws, and the runtime lays them out as any other (`_realize`).
+    """
+    unbuilt = [layer for layer in model._flatten_layers(include_self=False)
+               if not layer.built and layer.weights == []
+               and type(layer).build is not keras.layers.Layer.build]
+    if not unbuilt:
+        return
+    step = getattr(model, f"{kind}_step")
+    tf.function(step, autograph=False).get_concrete_function(data)
 
 
 class _StepFunction(NamedTuple):
