@@ -23,6 +23,7 @@ import pytest
 import flexflow_keras as fk
 from flexflow_keras import runtime
 from flexflow_keras.runtime import model_step
+import runtime_support as support
 
 SAMPLES, BATCH, EPOCHS = 64, 16, 2
 RTOL = 1e-5
@@ -521,6 +522,51 @@ class OwnStepTest(unittest.TestCase):
         for name in FAST:
             with self.subTest(feature=name):
                 train_both(self, name)
+
+    def test_batch_size_as_a_float_in_a_step_on_a_dataset(self):
+        """keras.io's NNCLR: `tf.shape(x, out_type=tf.float32)` in its
+        step. TensorFlow writes a known shape as a constant, so it runs
+        where Keras traces the step on a dataset batched with
+        `drop_remainder=True`, and refuses a float shape otherwise: it
+        crashed the script, traced on an unknown batch dim."""
+        import tensorflow as tf
+
+        def build(mod):
+            class Model(mod.Model):
+                def __init__(self):
+                    super().__init__()
+                    self.hidden = mod.layers.Dense(16, activation="relu")
+                    self.out = mod.layers.Dense(4)
+                    self.mean_output = keras.metrics.Mean(name="mean_out")
+
+                def call(self, x):
+                    return self.out(self.hidden(x))
+
+                def train_step(self, data):
+                    x, y = data
+                    with tf.GradientTape() as tape:
+                        pred = self(x, training=True)
+                        loss = self.compute_loss(y=y, y_pred=pred)
+                    grads = tape.gradient(loss, self.trainable_weights)
+                    self.optimizer.apply_gradients(
+                        zip(grads, self.trainable_weights))
+                    rows = tf.shape(pred, out_type=tf.float32)[0]
+                    self.mean_output.update_state(tf.reduce_sum(pred) / rows)
+                    return {"mean_out": self.mean_output.result()}
+
+            model = Model()
+            model.compile(optimizer="adam", loss="mse")
+            return model
+
+        x, y = _dense_data()
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(
+            BATCH, drop_remainder=True)
+        with SEARCH:
+            runs = support.train_plain_and_ours(
+                build, 7, lambda model: model.fit(data, epochs=EPOCHS,
+                                                  verbose=0).history)
+        support.assert_own_step_under_strategy(self, runs)
+        support.assert_same_runs(self, runs)
 
     def test_functional_train_step_override_is_run(self):
         model, (x, y) = build_train_step(fk)

@@ -668,6 +668,17 @@ class ModelStepExecutor:
                                     kind, str(error), batches)
         if isinstance(error, CalledElsewhere):  # found while tracing
             return to_plain_keras(self.model, kind, str(error), batches)
+        if (not isinstance(error, tf.errors.OpError)
+                and (kind, _batch_of(batch)) not in self._functions
+                and not (self._static_batch or self.loops.recurrent)):
+            # The step's own code failed as it was traced on an unknown
+            # batch dim, where Keras traced it on a dataset's known one
+            # (keras.io's NNCLR: `tf.shape(x, out_type=tf.float32)`, which
+            # TensorFlow writes as a constant for a known shape and
+            # refuses otherwise): traced again, the batch size written in.
+            self._static_batch = True
+            self._functions.clear()
+            return self.make_function(kind)(batches)
         if not isinstance(error, tf.errors.OpError):
             raise error
         if collectives_aborted(error):  # no retrace can help
