@@ -98,9 +98,23 @@ class _PlanningModel(StrategyTrainer):
         *args: Any, **kwargs: Any,
     ) -> Any:
         with own_loops.entered():
-            if state_of(self).settings is not None:
+            state = state_of(self)
+            if state.settings is not None:
                 found, x = _peek_batch(x, batch_size)
-                self._plan_for(found)
+                if found is not None:
+                    self._plan_for(found)
+                elif state.plan is None and not state.warned_plain:
+                    notices.must_tell(
+                        f"Model '{self.name}' trains as plain Keras on one "
+                        "device: its dataset's batch size cannot be read "
+                        "from its structure, and reading a batch would "
+                        "change the order it shuffles or the values it "
+                        "draws. Received: element_spec="
+                        f"{x.element_spec}. Batch the inputs with one "
+                        "`batch(n)`, or call fit() with a dataset whose "
+                        "batch dim is known (`drop_remainder=True`).",
+                        stacklevel=3)
+                    state.warned_plain = True
             return super().fit(x, y, batch_size, *args, **kwargs)
 
     def train_on_batch(self, x: Any = None, *args: Any,
@@ -388,11 +402,16 @@ class _Peeked:
         return keras.tree.map_structure(symbolic, self.inputs)
 
 
-def _peek_batch(x: Any, batch_size: int | None) -> tuple[_Peeked, Any]:
+def _peek_batch(
+    x: Any, batch_size: int | None
+) -> tuple[_Peeked | None, Any]:
     """The global batch fit() will use, without losing any data.
 
     Returns the batch size, the model input shape (for unbuilt Sequential
-    models) and `x`, rebuilt when peeking consumed a generator's element.
+    models) and `x`, rebuilt when peeking consumed a generator's element;
+    None for the first when a dataset's batch size can be had only by
+    reading it and reading it would change what it yields later (see
+    `_dataset_batch`).
     """
     import tensorflow as tf
 
@@ -403,6 +422,8 @@ def _peek_batch(x: Any, batch_size: int | None) -> tuple[_Peeked, Any]:
                 unknown_dims(keras.tree.flatten(read.inputs))
                 and _replayable(x)):
             return read, x
+        if read is None and not _replayable(x):
+            return None, x
         first = next(iter(x.take(1)))
     elif isinstance(x, keras.utils.PyDataset):
         first = x[0]
@@ -442,7 +463,8 @@ def _dataset_batch(dataset: Any) -> _Peeked | None:
         return None
     batch = leaves[0].shape[0] if leaves[0].shape.rank else None
     if batch is None:
-        batch = _chain_batch_size(dataset)
+        batch = _chain_batch_size(
+            dataset, part=0 if isinstance(spec, tuple) else None)
     if batch is None:
         return None
     return _Peeked(int(batch), keras.tree.map_structure(
@@ -480,9 +502,18 @@ def _replayable(dataset: Any) -> bool:
     return not any(word in op for op in types for word in _STATEFUL_OP_WORDS)
 
 
-def _chain_batch_size(dataset: Any, depth: int = 32) -> int | None:
+def _chain_batch_size(dataset: Any, depth: int = 32,
+                      part: int | None = None) -> int | None:
     """The constant `batch_size` of the last batching in `dataset`'s
-    chain (every input of a zip agreeing), or None."""
+    chain (every input of a zip agreeing), or None.
+
+    `part`: only element `part` of `dataset`'s tuple elements counts
+    (Keras's inputs, not its labels). It is followed through the ops that
+    keep the element's structure (prefetch, repeat, shuffle, ...) to a
+    zip, whose input `part` it is. Why: keras.io's semi-supervised
+    SimCLR zips unlabelled images batched by 95 with labelled ones
+    batched by 9; its inputs' batch is 95.
+    """
     import tensorflow as tf
 
     size = getattr(dataset, "_batch_size", None)
@@ -492,6 +523,13 @@ def _chain_batch_size(dataset: Any, depth: int = 32) -> int | None:
     if depth == 0:
         return None
     inputs = getattr(dataset, "_datasets", None)
+    if part is not None:
+        if inputs is not None and part < len(inputs):
+            return _chain_batch_size(inputs[part], depth - 1)
+        source = getattr(dataset, "_input_dataset", None)
+        if source is not None and source.element_spec == (
+                dataset.element_spec):
+            return _chain_batch_size(source, depth - 1, part)
     if inputs is None:
         inputs = [getattr(dataset, "_input_dataset", None)]
     sizes = {_chain_batch_size(d, depth - 1) for d in inputs

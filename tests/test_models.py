@@ -485,6 +485,71 @@ class DatasetOrderTest(unittest.TestCase):
                                    histories[0]["loss"], rtol=1e-5)
 
 
+    def _fit_both(self, make_data, x_parts=False):
+        """Histories and our model after the same fit of a two-layer model
+        on `make_data()` from plain Keras and ours, and our warnings."""
+        histories, told = [], []
+        for cls in (keras.Model, Model):
+            keras.utils.set_random_seed(3)
+            inputs = keras.Input((8,))
+            model = cls(inputs, layers.Dense(2)(layers.Dense(8)(inputs)))
+            options = {} if cls is keras.Model else {"search_budget": 0}
+            model.compile("sgd", "mse", **options)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                histories.append(
+                    model.fit(make_data(), epochs=2, verbose=0).history)
+            told = [str(w.message) for w in caught
+                    if "plain Keras" in str(w.message)]
+        np.testing.assert_allclose(histories[1]["loss"],
+                                   histories[0]["loss"], rtol=1e-5)
+        return model, told
+
+    def test_zip_of_batchings_plans_for_its_inputs_unpeeked(self):
+        """keras.io's semi-supervised SimCLR zips inputs and labels batched
+        apart (by 95 and 9 there), each shuffled: the inputs' batching is
+        read through the zip, and nothing is read from the data."""
+        import tensorflow as tf
+
+        rng = np.random.default_rng(0)
+        x = rng.random((64, 8), dtype=np.float32)
+        y = rng.random((64, 2), dtype=np.float32)
+
+        def make():
+            inputs = tf.data.Dataset.from_tensor_slices(x).shuffle(
+                64).batch(16)
+            labels = tf.data.Dataset.from_tensor_slices(y).shuffle(
+                64).batch(16, drop_remainder=False).map(lambda b: b * 1.0)
+            return tf.data.Dataset.zip(inputs, labels).prefetch(2)
+
+        model, told = self._fit_both(make)
+        self.assertEqual(told, [])
+        self.assertIsNotNone(model.strategy_executor)
+        self.assertEqual(model.plan.graph.batch_size, 16)
+
+    def test_unreadable_batch_of_a_shuffled_dataset_is_not_peeked(self):
+        """A batch size only a read could give, from a dataset that
+        shuffles: read, it would give the first epoch plain Keras's second
+        order, so the model trains as plain Keras, said once."""
+        import tensorflow as tf
+
+        rng = np.random.default_rng(0)
+        x = rng.random((64, 8), dtype=np.float32)
+        y = rng.random((64, 2), dtype=np.float32)
+
+        def make():  # batched inside group_by_window: not in the chain
+            return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(
+                64).group_by_window(
+                    key_func=lambda a, b: tf.constant(0, tf.int64),
+                    reduce_func=lambda key, rows: rows.batch(16),
+                    window_size=16)
+
+        model, told = self._fit_both(make)
+        self.assertEqual(len(told), 1, told)
+        self.assertIn("batch size cannot be read", told[0])
+        self.assertIsNone(model.strategy_executor)
+
+
 class RunEagerlyTest(unittest.TestCase):
     """`compile(run_eagerly=True)` is Keras's debugging mode: the step runs
     eagerly, line by line (keras.io's debugging_tips prints tensor values
