@@ -464,30 +464,13 @@ class DatasetOrderTest(unittest.TestCase):
     takes the next shuffle seed, so a peek gave the first epoch another
     order than plain Keras's (keras.io's mixup)."""
 
-    def test_reshuffled_dataset_trains_in_keras_order(self):
-        import tensorflow as tf
-
+    def _fit_both(self, make_data):
+        """Our model, after the same fit of a two-layer model on
+        `make_data(x, y)` from plain Keras and ours (asserted equal), and
+        our "plain Keras" warnings."""
         rng = np.random.default_rng(0)
         x = rng.random((64, 8), dtype=np.float32)
         y = rng.random((64, 2), dtype=np.float32)
-        histories = []
-        for cls in (keras.Model, Model):
-            keras.utils.set_random_seed(3)
-            inputs = keras.Input((8,))
-            model = cls(inputs, layers.Dense(2)(layers.Dense(8)(inputs)))
-            options = {} if cls is keras.Model else {"search_budget": 0}
-            model.compile("sgd", "mse", **options)
-            data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(
-                64, seed=5).batch(16).map(lambda a, b: (a * 2.0, b))
-            histories.append(model.fit(data, epochs=2, verbose=0).history)
-        self.assertIsNotNone(model.strategy_executor)
-        np.testing.assert_allclose(histories[1]["loss"],
-                                   histories[0]["loss"], rtol=1e-5)
-
-
-    def _fit_both(self, make_data, x_parts=False):
-        """Histories and our model after the same fit of a two-layer model
-        on `make_data()` from plain Keras and ours, and our warnings."""
         histories, told = [], []
         for cls in (keras.Model, Model):
             keras.utils.set_random_seed(3)
@@ -498,12 +481,22 @@ class DatasetOrderTest(unittest.TestCase):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 histories.append(
-                    model.fit(make_data(), epochs=2, verbose=0).history)
+                    model.fit(make_data(x, y), epochs=2, verbose=0).history)
             told = [str(w.message) for w in caught
                     if "plain Keras" in str(w.message)]
         np.testing.assert_allclose(histories[1]["loss"],
                                    histories[0]["loss"], rtol=1e-5)
         return model, told
+
+    def test_reshuffled_dataset_trains_in_keras_order(self):
+        import tensorflow as tf
+
+        def make(x, y):
+            return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(
+                64, seed=5).batch(16).map(lambda a, b: (a * 2.0, b))
+
+        model, _ = self._fit_both(make)
+        self.assertIsNotNone(model.strategy_executor)
 
     def test_zip_of_batchings_plans_for_its_inputs_unpeeked(self):
         """keras.io's semi-supervised SimCLR zips inputs and labels batched
@@ -511,11 +504,7 @@ class DatasetOrderTest(unittest.TestCase):
         read through the zip, and nothing is read from the data."""
         import tensorflow as tf
 
-        rng = np.random.default_rng(0)
-        x = rng.random((64, 8), dtype=np.float32)
-        y = rng.random((64, 2), dtype=np.float32)
-
-        def make():
+        def make(x, y):
             inputs = tf.data.Dataset.from_tensor_slices(x).shuffle(
                 64).batch(16)
             labels = tf.data.Dataset.from_tensor_slices(y).shuffle(
@@ -533,11 +522,7 @@ class DatasetOrderTest(unittest.TestCase):
         order, so the model trains as plain Keras, said once."""
         import tensorflow as tf
 
-        rng = np.random.default_rng(0)
-        x = rng.random((64, 8), dtype=np.float32)
-        y = rng.random((64, 2), dtype=np.float32)
-
-        def make():  # batched inside group_by_window: not in the chain
+        def make(x, y):  # batched inside group_by_window: not in the chain
             return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(
                 64).group_by_window(
                     key_func=lambda a, b: tf.constant(0, tf.int64),
