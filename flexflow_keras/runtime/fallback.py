@@ -12,7 +12,6 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 from tensorflow.python.framework import error_interpolation
 
-
 from flexflow_keras.search_space import one_mesh_data_parallel
 
 # What TensorFlow 2.21's DTensor says when an op has no SPMD rule.
