@@ -751,6 +751,13 @@ def _layers_built_by_a_plain_trace(model: Any, kind: str, data: Any) -> None:
     unbuilt = [layer for layer in model._flatten_layers(include_self=False)
                if not layer.built and layer.weights == []
                and type(layer).build is not keras.layers.Layer.build]
+    # The optimizers a custom `compile` keeps (`model.optimizer` is built
+    # by the caller): a first DTensor trace that failed after making
+    # their slots (keras.io's NNCLR, traced again with a static batch)
+    # left the slots empty ("Incompatible shapes: [128,128] vs. [0]").
+    unbuilt += [optimizer for optimizer in _optimizers(model)
+                if not optimizer.built
+                and optimizer is not getattr(model, "optimizer", None)]
     if not unbuilt:
         return
     step = getattr(model, f"{kind}_step")
