@@ -12,6 +12,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 from tensorflow.python.framework import error_interpolation
 
+from flexflow_keras import settings
 from flexflow_keras.search_space import one_mesh_data_parallel
 
 # What TensorFlow 2.21's DTensor says when an op has no SPMD rule.
@@ -102,7 +103,10 @@ def fall_back(
         # Where DTensor's device is asynchronous (a script that used
         # DTensor before the import), a failed run's error stays pending.
         context.async_clear_error()
-    if collectives_aborted(error) and not half_done:
+    # Over several DTensor clients an aborted group means a lost host:
+    # the error goes on, for the fit to name it (`clients.lost_host`).
+    if (collectives_aborted(error) and not half_done
+            and settings.dtensor_clients() is None):
         return to_plain_keras(
             model, kind,
             "an earlier step failed while it ran (see its error), and "
