@@ -55,9 +55,10 @@ def _embedding_id(row):
     return spoil
 
 
-# name -> (spoiled data, what the error says). Every label of the first
-# batch fails on every device before any collective: nothing is aborted,
-# so these cases come first.
+# name -> (spoiled data, what the error says). Whether a failure aborts
+# the devices' collectives depends on timing, even where every device
+# fails (measured: "every label of the first batch" kept its strategy in
+# 4 runs of its own and left it in one CI run).
 CASES = {
     "every label of the first batch": (_labels(slice(0, BATCH)),
                                        "label value of 7"),
@@ -169,8 +170,6 @@ class FailedStepTest(unittest.TestCase):
                 # The user's error is no reason to leave the strategy,
                 # and the mended data trains as in plain Keras.
                 self.assertLess(got["gap"], 1e-5)
-                if got["case"] == "every label of the first batch":
-                    self.assertTrue(got["kept"] and got["at_end"])
                 if got["at_end"]:
                     self.assertEqual(got["told"], [])
                 else:  # collectives aborted by TensorFlow: said, once
