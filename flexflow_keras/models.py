@@ -103,8 +103,8 @@ class _PlanningModel(StrategyTrainer):
                 found, x = _peek_batch(x, batch_size)
                 if found is not None:
                     self._plan_for(found)
-                elif state.plan is None and not state.warned_plain:
-                    notices.must_tell(
+                elif state.plan is None:
+                    self._tell_plain_once(
                         f"Model '{self.name}' trains as plain Keras on one "
                         "device: its dataset's batch size cannot be read "
                         "from its structure, and reading a batch would "
@@ -113,8 +113,7 @@ class _PlanningModel(StrategyTrainer):
                         f"{x.element_spec}. Batch the inputs with one "
                         "`batch(n)`, or call fit() with a dataset whose "
                         "batch dim is known (`drop_remainder=True`).",
-                        stacklevel=3)
-                    state.warned_plain = True
+                        stacklevel=4)
             return super().fit(x, y, batch_size, *args, **kwargs)
 
     def train_on_batch(self, x: Any = None, *args: Any,
@@ -191,6 +190,14 @@ class _PlanningModel(StrategyTrainer):
         state.plan = None
         super()._strategy_failed(reason)
 
+    def _tell_plain_once(self, reason: str, stacklevel: int) -> None:
+        """Says once per model why it trains as plain Keras (`stacklevel`
+        counted from here to the script's line)."""
+        state = state_of(self)
+        if not state.warned_plain:
+            notices.must_tell(reason, stacklevel=stacklevel)
+            state.warned_plain = True
+
     def _trace(self, found: "_Peeked") -> None:
         """The model's graph: its call traced on inputs shaped like fit's
         (once; a failure is kept for the warning)."""
@@ -210,9 +217,7 @@ class _PlanningModel(StrategyTrainer):
         state = state_of(self)
         reason = _why_plain_keras(self)
         if reason is not None:
-            if not state.warned_plain:
-                notices.must_tell(reason, stacklevel=stacklevel)
-                state.warned_plain = True
+            self._tell_plain_once(reason, stacklevel=stacklevel + 1)
             if state.executor is not None:  # planned before: detach
                 runtime.detach_strategy(self)
                 state.plan = None

@@ -82,6 +82,13 @@ def detach_strategy(model: Any) -> None:
     if state.executor is not None:
         state.executor.sync_out()
     state.executor = None
+    _keras_functions_anew(model)
+
+
+def _keras_functions_anew(model: Any) -> None:
+    """Keras makes its train, test and predict functions again at their
+    next use. Why: a function made under one executor (or none) keeps
+    running it; whenever the executor changes, they must be made anew."""
     model.train_function = None
     model.test_function = None
     model.predict_function = None
@@ -142,9 +149,7 @@ class StrategyTrainer:
             return run()
         except BaseException:
             state.executor = executor
-            self.train_function = None
-            self.test_function = None
-            self.predict_function = None
+            _keras_functions_anew(self)
             raise
 
     def _strategy_replaced(self, graph: Any, strategy: Any,
