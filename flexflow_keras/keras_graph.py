@@ -54,9 +54,17 @@ def build_graph(model: Any, batch_size: int) -> OpGraph:
             "give the Sequential model an `Input` layer."
         )
     builder = _GraphBuilder(batch_size)
-    builder.add_inputs(function)
-    builder.hosted = {id(node) for node in hosted_nodes(function)}
-    outputs = builder.walk(function, prefix="", bindings={})
+    if isinstance(function, SideBySide):
+        # The parts run inside the model's own step, on its tensors,
+        # not on fit's data: nothing of theirs runs on the host first.
+        outputs = ()
+        for prefix, part in function.parts:
+            builder.add_inputs(part, prefix)
+            outputs += builder.walk(part, prefix=prefix, bindings={})
+    else:
+        builder.add_inputs(function)
+        builder.hosted = {id(node) for node in hosted_nodes(function)}
+        outputs = builder.walk(function, prefix="", bindings={})
     consumed = {t for op in builder.ops for t in op.inputs}
     # The step's inputs: the model's (but those only the host reads),
     # then what the host computes before the step.
@@ -269,25 +277,51 @@ def _traced_at(model: Any, batch_size: int) -> Any:
     return function
 
 
-def _inner_models(model: Any) -> Any:
-    """One functional model over the functional models `model` holds."""
-    import keras
+class SideBySide:
+    """The functional models a model without `call()` holds, as one
+    graph: a VAE's encoder and decoder, a diffusion model's network and
+    its EMA copy. Each part is walked as it is; `parts` holds (prefix of
+    its op names, its Keras `Function`).
 
-    parts = [
-        _own_function(layer)
+    Why not one `keras.Model` over their layers: Keras requires the
+    layer names of one model to be unique, and `keras.models.clone_model`
+    (the EMA copy of keras.io's DDIM, a target network) keeps every name;
+    such a model trained as plain Keras. Where the parts' layer names
+    collide, each part's ops are named under the attribute that holds it
+    (`network/conv2d`, `ema_network/conv2d`); elsewhere as the layers
+    are named, as before.
+    """
+
+    def __init__(self, name: str, parts: list[tuple[str, Any]]):
+        self.name = name
+        self.parts = parts
+        self.inputs = [t for _, p in parts for t in p.inputs]
+        self.outputs = [t for _, p in parts for t in p.outputs]
+
+
+def _inner_models(model: Any) -> SideBySide:
+    """The functional models `model` holds, side by side."""
+    held = [
+        (layer, _own_function(layer))
         for layer in model._flatten_layers(include_self=False,
                                            recursive=False)
     ]
-    parts = [p for p in parts if p is not None]
-    if not parts:
+    held = [(layer, f) for layer, f in held if f is not None]
+    if not held:
         raise ValueError(
-            "it has no call() and holds no functional or Sequential model"
+            "it holds no functional or Sequential model as an attribute"
         )
-    return keras.Model(
-        [t for p in parts for t in p.inputs],
-        [t for p in parts for t in p.outputs],
-        name=model.name,
-    )
+    names = [op.name for _, f in held for op in f.operations]
+    if len(set(names)) == len(names):
+        return SideBySide(model.name, [("", f) for _, f in held])
+    attributes = {id(v): k for k, v in vars(model).items()
+                  if not k.startswith("_")}
+    prefixes = [attributes.get(id(layer), layer.name) for layer, _ in held]
+    prefixes = [p if prefixes.count(p) == 1 else f"{p}#{i}"
+                for i, p in enumerate(prefixes)]
+    return SideBySide(model.name, [
+        (prefix + "/", f) for prefix, (_, f) in zip(prefixes, held)
+    ])
 
 
 def is_traced(model: Any) -> bool:
@@ -413,11 +447,11 @@ class _GraphBuilder:
         self.hosted: set[int] = set()  # ids of `hosted_nodes`
         self.host_reads: set[str] = set()  # tensors hosted calls read
 
-    def add_inputs(self, function: Any) -> tuple[str, ...]:
+    def add_inputs(self, function: Any, prefix: str = "") -> tuple[str, ...]:
         names = []
         for kt in function.inputs:
             layer = kt._keras_history.operation
-            name = layer.name if layer is not None else kt.name
+            name = prefix + (layer.name if layer is not None else kt.name)
             fixed = kt.shape[0] if kt.shape else None
             if fixed is not None and fixed != self.batch_size:
                 # Every shape downstream would carry the fixed batch.

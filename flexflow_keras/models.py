@@ -308,6 +308,16 @@ def _why_plain_keras(model: Any) -> str | None:
         )
     if not has_graph(model):
         failure = state.trace_failure
+        if type(model).call is keras.Model.call:
+            # Its step calls the models it holds (a GAN, a VAE).
+            return (
+                f"Model '{model.name}' trains as plain Keras on one "
+                "device: it has no call(), and no graph could be made of "
+                f"the models its step calls ({failure}). Build them with "
+                "`keras.Input(...)` (functional or Sequential) and keep "
+                "them as attributes of the model, to get a searched "
+                "strategy."
+            )
         why = (
             f"its call() could not be traced on symbolic inputs "
             f"({failure})" if failure else

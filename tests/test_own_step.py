@@ -25,6 +25,12 @@ from flexflow_keras import runtime
 from flexflow_keras.runtime import model_step
 
 SAMPLES, BATCH, EPOCHS = 64, 16, 2
+
+
+@keras.saving.register_keras_serializable(package="test_own_step")
+def _sin_cos(x):
+    """A Lambda's function that `clone_model` can rebuild (registered)."""
+    return keras.ops.concatenate([keras.ops.sin(x), keras.ops.cos(x)], -1)
 RTOL = 1e-5
 WEIGHT_ATOL = 1e-6
 
@@ -652,6 +658,88 @@ class OwnStepTest(unittest.TestCase):
         steps = EPOCHS * SAMPLES // BATCH
         self.assertEqual(int(gan.d_optimizer.iterations.numpy()), steps)
         self.assertEqual(int(gan.g_optimizer.iterations.numpy()), steps)
+
+    def test_network_and_its_ema_clone(self):
+        """keras.io's DDIM: no call(); a U-Net and its
+        `keras.models.clone_model` copy (every layer name the same), the
+        copy moved toward the network by `assign` in the step and used
+        alone in the validation step. Keras refuses one model over both
+        (a name used twice), so the model trained as plain Keras."""
+        import tensorflow as tf
+
+        import runtime_support as support  # see the float batch test
+
+        def build(mod):
+            layers = mod.layers
+
+            def network():
+                images = mod.Input((8, 8, 3))
+                levels = mod.Input((1, 1, 1))
+                e = layers.Lambda(_sin_cos, output_shape=(1, 1, 2))(levels)
+                e = layers.UpSampling2D(8)(e)
+                x = layers.Concatenate()([layers.Conv2D(8, 1)(images), e])
+                x = layers.Conv2D(8, 3, padding="same",
+                                  activation="swish")(x)
+                return mod.Model([images, levels], layers.Conv2D(3, 1)(x),
+                                 name="unet")
+
+            class Diffusion(mod.Model):
+                def __init__(self):
+                    super().__init__()
+                    self.network = network()
+                    self.ema_network = mod.models.clone_model(self.network)
+                    self.tracker = keras.metrics.Mean(name="n_loss")
+
+                @property
+                def metrics(self):
+                    return [self.tracker]
+
+                def _noise_loss(self, images, network, training):
+                    noise = keras.random.normal((BATCH, 8, 8, 3))
+                    level = keras.random.uniform((BATCH, 1, 1, 1))
+                    noisy = (1 - level) * images + level * noise
+                    predicted = network([noisy, level ** 2],
+                                        training=training)
+                    return self.loss(noise, predicted)
+
+                def train_step(self, images):
+                    weights = self.network.trainable_weights
+                    with tf.GradientTape() as tape:
+                        loss = self._noise_loss(images, self.network, True)
+                    self.optimizer.apply_gradients(
+                        zip(tape.gradient(loss, weights), weights))
+                    for w, ema in zip(self.network.weights,
+                                      self.ema_network.weights):
+                        ema.assign(0.9 * ema + 0.1 * w)
+                    self.tracker.update_state(loss)
+                    return {"n_loss": self.tracker.result()}
+
+                def test_step(self, images):
+                    self.tracker.update_state(
+                        self._noise_loss(images, self.ema_network, False))
+                    return {"n_loss": self.tracker.result()}
+
+            model = Diffusion()
+            model.compile(mod.optimizers.AdamW(1e-3),
+                          loss=keras.losses.mean_absolute_error)
+            return model
+
+        images = np.random.default_rng(0).random(
+            (SAMPLES, 8, 8, 3)).astype("float32")
+        data = tf.data.Dataset.from_tensor_slices(images).batch(
+            BATCH, drop_remainder=True)
+        with SEARCH:
+            runs = support.train_plain_and_ours(
+                build, 7, lambda model: model.fit(
+                    data, epochs=EPOCHS, validation_data=data,
+                    verbose=0).history)
+        support.assert_own_step_under_strategy(self, runs)
+        support.assert_same_runs(self, runs)
+        ours = runs["ours"][0]
+        # Each copy's ops are named under the attribute that holds it.
+        names = [op.name for op in ours.plan.graph.ops]
+        parts = {name.split("/")[0] for name in names}
+        self.assertEqual(parts, {"network", "ema_network"}, names)
 
 
 @pytest.mark.slow
