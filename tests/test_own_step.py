@@ -741,6 +741,47 @@ class OwnStepTest(unittest.TestCase):
         parts = {name.split("/")[0] for name in names}
         self.assertEqual(parts, {"network", "ema_network"}, names)
 
+    def test_no_call_and_no_held_model(self):
+        """A model without call() whose step calls its own Dense: no
+        graph to search, said with what to do; the model is left as
+        Keras leaves it (not built: a `save_weights` Keras refuses must
+        be refused here too; a trace called it as one op, which built
+        it)."""
+        import tensorflow as tf
+
+        import runtime_support as support  # see the float batch test
+
+        def build(mod):
+            class Model(mod.Model):
+                def __init__(self):
+                    super().__init__()
+                    self.dense = mod.layers.Dense(2)
+
+                def train_step(self, data):
+                    x, y = data
+                    with tf.GradientTape() as tape:
+                        loss = tf.reduce_mean((self.dense(x) - y) ** 2)
+                    weights = self.dense.trainable_weights
+                    self.optimizer.apply_gradients(
+                        zip(tape.gradient(loss, weights), weights))
+                    return {"loss": loss}
+
+            model = Model()
+            model.compile("sgd")
+            return model
+
+        x, y = _dense_data()
+        with SEARCH:
+            runs = support.train_plain_and_ours(
+                build, 7, lambda model: model.fit(
+                    x, y[:, :2], batch_size=BATCH, verbose=0).history)
+        said = [m for m in runs["ours"][2] if "plain Keras" in m]
+        self.assertEqual(len(said), 1, runs["ours"][2])
+        self.assertIn("it has no call()", said[0])
+        self.assertFalse(runs["plain"][0].built)
+        self.assertFalse(runs["ours"][0].built)
+        support.assert_same_runs(self, runs)
+
 
 @pytest.mark.slow
 class OwnStepMatrixTest(unittest.TestCase):
