@@ -528,6 +528,46 @@ class OwnStepTest(unittest.TestCase):
             with self.subTest(feature=name):
                 train_both(self, name)
 
+    def test_encoder_built_in_step_then_reused(self):
+        """keras.io's semi-supervised SimCLR: the encoder its pretraining
+        step builds is then finetuned in a `Sequential` of its own. Built
+        by a trace on the pretraining batch's own shape, the encoder took
+        that batch size for good, and the finetuning model, fed another,
+        failed in DTensor and trained as plain Keras."""
+        x, y = _dense_data()
+
+        def train(model):
+            first = model.fit(x, y, batch_size=BATCH, verbose=0).history
+            mod = fk if isinstance(model, fk.Model) else keras
+            finetuning = mod.Sequential(
+                [model.encoder, mod.layers.Dense(4)], name="finetuning")
+            finetuning.compile(optimizer="adam", loss="mse")
+            # Another batch size than the pretraining's.
+            second = finetuning.fit(x, y, batch_size=BATCH // 2,
+                                    epochs=EPOCHS, verbose=0).history
+            return finetuning, first, second
+
+        runs = {}
+        for name, mod in (("plain", keras), ("ours", fk)):
+            keras.utils.set_random_seed(7)
+            with SEARCH, warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model, _ = build_encoder_built_in_step(mod)
+                runs[name] = train(model), [
+                    str(w.message) for w in caught
+                    if "plain Keras" in str(w.message)]
+        (finetuning, first, second), said = runs["ours"]
+        self.assertEqual(said, [])
+        self.assertIsNotNone(finetuning.strategy_executor)
+        (plain_finetuning, plain_first, plain_second), _ = runs["plain"]
+        np.testing.assert_allclose(first["loss"], plain_first["loss"],
+                                   rtol=1e-5)
+        np.testing.assert_allclose(second["loss"], plain_second["loss"],
+                                   rtol=1e-5)
+        for a, b in zip(plain_finetuning.get_weights(),
+                        finetuning.get_weights()):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
     def test_batch_size_as_a_float_in_a_step_on_a_dataset(self):
         """keras.io's NNCLR: `tf.shape(x, out_type=tf.float32)` in its
         step, which applies an optimizer its `compile` keeps. TensorFlow

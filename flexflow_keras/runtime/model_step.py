@@ -760,8 +760,39 @@ def _layers_built_by_a_plain_trace(model: Any, kind: str, data: Any) -> None:
                 and optimizer is not getattr(model, "optimizer", None)]
     if not unbuilt:
         return
+    without_input = [layer for layer in unbuilt
+                     if isinstance(layer, keras.Sequential) and layer.layers]
     step = getattr(model, f"{kind}_step")
     tf.function(step, autograph=False).get_concrete_function(data)
+    # Inner ones first: an outer one calls them again.
+    for sequential in reversed(without_input):
+        _for_any_batch_size(sequential)
+
+
+def _for_any_batch_size(sequential: Any) -> None:
+    """Builds again, for batches of any size, a `Sequential` without an
+    `Input` that the plain trace built on the batch's own size.
+
+    Why: Keras traces a step on a dataset's batch of unknown size, and
+    builds such a model for any size. Built for its pretraining batch
+    alone, keras.io's SimCLR encoder, reused in a finetuning
+    `Sequential` fed other batches, made that model fail in DTensor
+    ("Expected shape: <40,11,11,16> got shape: <20,11,11,16>"; plain
+    Keras from then on), and a Dense encoder made fit() raise (a fixed
+    batch size at the model's input). The trace itself stays on the
+    batch's shape: a step whose code needs the size as a number (NNCLR)
+    would fail on an unknown one, leaving the variables it made empty.
+    """
+    from keras.src.layers import InputLayer
+
+    first = sequential._layers[0]
+    if (not isinstance(first, InputLayer) or not first.batch_shape
+            or first.batch_shape[0] is None):
+        return
+    # `build` put that InputLayer first; built again, it puts another.
+    sequential._layers = sequential._layers[1:]
+    sequential.built, sequential._functional = False, None
+    sequential.build((None,) + tuple(first.batch_shape[1:]))
 
 
 class _StepFunction(NamedTuple):
