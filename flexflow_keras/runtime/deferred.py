@@ -57,7 +57,14 @@ class StepVariable(dtensor.DVariable):
         # opened after a write in the same step (a GAN's second
         # discriminator update) got no gradient for the variable.
         variable_accessed(self)
-        result = tf.identity(self._kept)
+        # No gradient through the write: as a read after an assignment in
+        # TensorFlow, whose value comes from the variable, not from what
+        # was assigned. Without it, a tape around a BatchNormalization
+        # called in training and then in inference mode (keras.io's
+        # AdaMatch) took the gradient of the moving statistics the first
+        # call wrote, back into the batch's, and the weights went apart
+        # from plain Keras's after one step.
+        result = tf.identity(tf.stop_gradient(self._kept))
         record.record_operation(
             "ReadVariableOp", [result], [self.handle],
             backward_function=lambda x: [x],
