@@ -136,6 +136,67 @@ class UntrackedVariablesTest(unittest.TestCase):
         assert_own_step_under_strategy(self, runs)
         assert_same_runs(self, runs)
 
+    def test_adamatch_step_counter_and_batchnorm_twice(self):
+        """keras.io's AdaMatch: a raw `tf.Variable` step counter that
+        `train_step` advances and schedules the loss weight with, and a
+        BatchNormalization called in training and then in inference mode
+        under one tape. The counter went up once per device each step
+        (2 a step on 2 devices); the tape took the gradient of the
+        moving statistics the first call wrote back into the batch's.
+        Each alone set the weights apart from plain Keras's after one
+        step."""
+
+        def build_adamatch(mod):
+            inputs = mod.Input((6,))
+            h = mod.layers.BatchNormalization(momentum=0.001)(
+                mod.layers.Dense(8, name="hidden")(inputs))
+            net = mod.Model(inputs, mod.layers.Dense(3, name="out")(h))
+
+            class AdaMatch(mod.Model):
+                def __init__(self):
+                    super().__init__()
+                    self.net = net
+                    self.current_step = tf.Variable(0, dtype="int64")
+                    self.tracker = keras.metrics.Mean(name="loss")
+
+                @property
+                def metrics(self):
+                    return [self.tracker]
+
+                def train_step(self, data):
+                    x, y = data
+                    source = x[:4]
+                    with tf.GradientTape() as tape:
+                        both = self.net(x, training=True)
+                        alone = self.net(source, training=False)
+                        weight = tf.cast(self.current_step, "float32") / 8
+                        loss = (tf.reduce_mean((both - y) ** 2) + weight
+                                * tf.reduce_mean((alone - both[:4]) ** 2))
+                        self.current_step.assign_add(1)
+                    weights = self.net.trainable_variables
+                    self.optimizer.apply_gradients(
+                        zip(tape.gradient(loss, weights), weights))
+                    self.tracker.update_state(loss)
+                    return {"loss": self.tracker.result()}
+
+            model = AdaMatch()
+            options = {"search_budget": 50} if mod is fk else {}
+            model.compile(optimizer=mod.optimizers.SGD(0.1), **options)
+            return model
+
+        def train(model):
+            x = np.random.default_rng(3).normal(2.0, 3.0, size=(64, 6))
+            y = np.random.default_rng(4).normal(size=(64, 3))
+            history = model.fit(x.astype("float32"), y.astype("float32"),
+                                batch_size=BATCH, epochs=2, shuffle=False,
+                                verbose=0).history
+            return dict(history, steps=[int(model.current_step.numpy())])
+
+        runs = train_plain_and_ours(build_adamatch, 5, train)
+        assert_own_step_under_strategy(self, runs)
+        self.assertEqual(runs["ours"][1]["steps"], [8])
+        assert_same_runs(self, runs)
+
 
 if __name__ == "__main__":
     unittest.main()

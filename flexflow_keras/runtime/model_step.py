@@ -41,8 +41,8 @@ from flexflow_keras import capabilities
 from flexflow_keras import user_random
 from flexflow_keras.model_state import state_of
 from flexflow_keras.runtime import (
-    deferred, fresh_state, op_rules, realized, rolled_rnn, stateful_draws,
-    step_rules, unfed_step, unroll, untracked,
+    deferred, fresh_state, op_rules, raw_variables, realized, rolled_rnn,
+    stateful_draws, step_rules, unfed_step, unroll, untracked,
 )
 from flexflow_keras.runtime.fallback import (
     collectives_aborted, fall_back, failed_while_running, op_to_replicate,
@@ -175,6 +175,8 @@ class ModelStepExecutor:
         self._constants: list = []  # layer tensors, copied onto the mesh
         # Counters of stateful tf.random draws (`stateful_draws`).
         self._random_state = None
+        # Copies of the raw tf.Variables a step writes (`raw_variables`).
+        self._raw_variables = raw_variables.RawVariables(self.mesh)
         self._splits_beyond_batch = any(
             dim != 0 for plan in plans for dim in plan.axes
         )
@@ -578,10 +580,12 @@ class ModelStepExecutor:
                     lambda v: _replicated_output(v, self.mesh), outputs
                 ))
 
-            captures_on_mesh(traced.get_concrete_function(_specs(
+            concrete = traced.get_concrete_function(_specs(
                 data.values, self._static_batch or self.loops.recurrent
-            ), data.shapes), self.mesh)
-            return _StepFunction(traced, kind)
+            ), data.shapes)
+            captures_on_mesh(concrete, self.mesh)
+            return _StepFunction(traced, kind,
+                                 self._raw_variables.swap_in(concrete))
 
         # A first run DTensor refuses for a loop function's name is
         # traced again and redone (`rolled_rnn.name_clash`).
@@ -801,9 +805,13 @@ class _StepFunction(NamedTuple):
 
     function: Any  # the tf.function, on (values, padded shapes)
     kind: str  # train, test or predict
+    raw: tuple = ()  # `raw_variables.RawVariables.swap_in`'s pairs
 
     def __call__(self, batch: "_MeshBatch") -> Any:
-        return self.function(batch.values, batch.shapes)
+        raw_variables.copy_in(self.raw)
+        outputs = self.function(batch.values, batch.shapes)
+        raw_variables.copy_out(self.raw)
+        return outputs
 
 
 class _MeshBatch(NamedTuple):
