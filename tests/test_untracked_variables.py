@@ -197,6 +197,49 @@ class UntrackedVariablesTest(unittest.TestCase):
         self.assertEqual(runs["ours"][1]["steps"], [8])
         assert_same_runs(self, runs)
 
+    def test_layer_counting_its_calls_in_a_raw_variable(self):
+        """A layer of the user's that counts its training calls in a raw
+        `tf.Variable` and warms up with the count. Probed on a new
+        machine (no cache), it counted the probe's three runs too, and
+        trained apart from plain Keras from the first step."""
+        from runtime_support import fresh_caches
+
+        fresh_caches(self)
+
+        class Counting(keras.layers.Layer):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.calls = tf.Variable(0.0, trainable=False)
+
+            def call(self, h, training=None):
+                if training:
+                    self.calls.assign_add(1.0)
+                return h * tf.minimum(self.calls / 4.0, 1.0)
+
+        def build_counting(mod):
+            inputs = mod.Input((6,))
+            h = mod.layers.Dense(16, activation="relu", name="hidden")(
+                inputs)
+            model = mod.Model(inputs, mod.layers.Dense(3, name="out")(
+                Counting(name="counting")(h)))
+            options = {"search_budget": 50} if mod is fk else {}
+            model.compile(optimizer="adam", loss="mse", **options)
+            return model
+
+        def train(model):
+            x = np.random.default_rng(5).normal(size=(64, 6))
+            y = np.random.default_rng(6).normal(size=(64, 3))
+            history = model.fit(x.astype("float32"), y.astype("float32"),
+                                batch_size=BATCH, epochs=2, shuffle=False,
+                                verbose=0).history
+            calls = model.get_layer("counting").calls
+            return dict(history, calls=[float(calls.numpy())])
+
+        runs = train_plain_and_ours(build_counting, 5, train)
+        self.assertIsNotNone(runs["ours"][0].strategy_executor)
+        self.assertEqual(runs["ours"][1]["calls"], [8.0])
+        assert_same_runs(self, runs)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -60,7 +60,7 @@ from flexflow_keras.capabilities import Probed
 from flexflow_keras.graph import Op, OpGraph
 from flexflow_keras.keras_graph import fill_arguments
 from flexflow_keras.runtime import (
-    dtensor_passes, op_rules, stateful_draws, step_rules,
+    dtensor_passes, op_rules, raw_variables, stateful_draws, step_rules,
 )
 from flexflow_keras.runtime.unroll import unrolled
 from flexflow_keras.runtime.tracing import without_memory_rewrites
@@ -299,7 +299,8 @@ def _forward_backward(
         if mesh is not None:
             captures_on_mesh(concrete, mesh)
         if run:  # as the runtime calls its steps (`tracing.py`)
-            with without_memory_rewrites():
+            with without_memory_rewrites(), \
+                    raw_variables.left_as_they_were(concrete):
                 concrete(xs, weights, states)
     return _op_types(concrete.graph.as_graph_def())
 

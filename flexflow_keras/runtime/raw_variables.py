@@ -17,6 +17,8 @@ step's value as in Keras. Variables the step only reads stay as they are:
 a read is the same on every device.
 """
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -71,6 +73,22 @@ def copy_out(pairs: tuple[tuple[Any, Any, Any], ...]) -> None:
     """Each copy's value back into its raw variable (after a step)."""
     for raw, copy, _ in pairs:
         raw.assign(dtensor.unpack(copy.read_value())[0])
+
+
+@contextlib.contextmanager
+def left_as_they_were(concrete: Any) -> Iterator[None]:
+    """While `concrete` runs for a measurement (a probe of a layer): the
+    raw variables it writes get their values back after. Why: a layer of
+    the user's that counts its calls in a `tf.Variable` counted the
+    probe's runs too (3 more on a new machine), and trained apart from
+    plain Keras from there."""
+    saved = [(variable, tf.identity(variable.read_value()))
+             for variable in _written_raw_variables(concrete)]
+    try:
+        yield
+    finally:
+        for variable, value in saved:
+            variable.assign(value)
 
 
 def _written_raw_variables(concrete: Any) -> list:
