@@ -140,11 +140,12 @@ class UntrackedVariablesTest(unittest.TestCase):
         """keras.io's AdaMatch: a raw `tf.Variable` step counter that
         `train_step` advances and schedules the loss weight with, and a
         BatchNormalization called in training and then in inference mode
-        under one tape. The counter went up once per device each step
-        (2 a step on 2 devices); the tape took the gradient of the
-        moving statistics the first call wrote back into the batch's.
-        Each alone set the weights apart from plain Keras's after one
-        step."""
+        under one tape; here also a `tf.random.Generator`'s noise. The
+        counter went up once per device each step (2 a step on 2
+        devices), and so did the generator's state; the tape took the
+        gradient of the moving statistics the first call wrote back into
+        the batch's. Each alone set the weights apart from plain Keras's
+        after one step."""
 
         def build_adamatch(mod):
             inputs = mod.Input((6,))
@@ -157,6 +158,7 @@ class UntrackedVariablesTest(unittest.TestCase):
                     super().__init__()
                     self.net = net
                     self.current_step = tf.Variable(0, dtype="int64")
+                    self.noise = tf.random.Generator.from_seed(7)
                     self.tracker = keras.metrics.Mean(name="loss")
 
                 @property
@@ -165,6 +167,7 @@ class UntrackedVariablesTest(unittest.TestCase):
 
                 def train_step(self, data):
                     x, y = data
+                    x = x + 0.3 * self.noise.normal(tf.shape(x))
                     source = x[:4]
                     with tf.GradientTape() as tape:
                         both = self.net(x, training=True)
@@ -190,7 +193,8 @@ class UntrackedVariablesTest(unittest.TestCase):
             history = model.fit(x.astype("float32"), y.astype("float32"),
                                 batch_size=BATCH, epochs=2, shuffle=False,
                                 verbose=0).history
-            return dict(history, steps=[int(model.current_step.numpy())])
+            return dict(history, steps=[int(model.current_step.numpy())],
+                        noise=model.noise.state.numpy().tolist())
 
         runs = train_plain_and_ours(build_adamatch, 5, train)
         assert_own_step_under_strategy(self, runs)
