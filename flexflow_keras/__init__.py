@@ -33,7 +33,10 @@ _namespace.mirror_with(
 )
 _namespace.mirror_with(
     globals(), __name__, "saving",
-    lambda name, value: models.load_model if name == "load_model" else value,
+    lambda name, value: {
+        "load_model": models.load_model,
+        "deserialize_keras_object": models.deserialize_keras_object,
+    }.get(name, value),
 )
 
 __version__ = "0.1.0"

@@ -634,6 +634,16 @@ def model_from_json(json_string: str, custom_objects: dict | None = None):
         return keras.models.model_from_json(json_string, objects)
 
 
+def deserialize_keras_object(config: Any, custom_objects: dict | None = None,
+                             **kwargs: Any) -> Any:
+    """`keras.saving.deserialize_keras_object`, returning flexflow_keras
+    models (a model's config, as `serialize_keras_object` wrote it, came
+    back a plain Keras model, which trained on one device)."""
+    with _loading_as_ours(custom_objects) as objects:
+        return keras.saving.deserialize_keras_object(
+            config, custom_objects=objects, **kwargs)
+
+
 def load_model(
     filepath: Any,
     custom_objects: dict | None = None,

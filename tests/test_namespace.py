@@ -120,6 +120,17 @@ class ModelBuildersTest(unittest.TestCase):
         self.assertIs(flexflow_keras.saving.save_model,
                       keras.saving.save_model)
 
+    def test_deserialized_model_is_ours(self):
+        inputs = keras.Input((3,))
+        config = keras.saving.serialize_keras_object(
+            keras.Model(inputs, keras.layers.Dense(2)(inputs)))
+        self.assertIsInstance(
+            flexflow_keras.saving.deserialize_keras_object(config), Model)
+        # Anything else comes back as Keras gives it.
+        dense = flexflow_keras.saving.deserialize_keras_object(
+            keras.saving.serialize_keras_object(keras.layers.Dense(2)))
+        self.assertIsInstance(dense, keras.layers.Dense)
+
 
 class CloneAndJsonTest(unittest.TestCase):
     def test_clones_and_json_models_are_ours(self):
