@@ -178,10 +178,8 @@ def _to_plain_keras_unless_it_fails_too(
         outputs = model._run_without_strategy(keras_step)
     except Exception as keras_error:  # noqa: BLE001 - Keras's, for the user
         raise keras_error from None
-    # Keras's functions made above stay (`_strategy_failed` clears them).
-    kept = model.train_function, model.test_function, model.predict_function
+    # Detached already: Keras's functions made above stay.
     model._strategy_failed(_plain_keras_from_now_on(model, reason))
-    model.train_function, model.test_function, model.predict_function = kept
     _train_function_kept(model, kind)
     return outputs
 

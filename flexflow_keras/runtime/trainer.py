@@ -56,6 +56,7 @@ def attach_strategy(model: Any, graph: Any, strategy: Any) -> None:
     state_of(model).executor = make_executor(
         model, graph, strategy, devices.device_names()
     )
+    _keras_functions_anew(model)
 
 
 def make_executor(model: Any, graph: Any, strategy: Any,
@@ -77,10 +78,12 @@ def make_executor(model: Any, graph: Any, strategy: Any,
 
 
 def detach_strategy(model: Any) -> None:
-    """Back to plain Keras training (trained values kept)."""
+    """Back to plain Keras training (trained values kept). A model under
+    no strategy is left as it is, Keras's functions included."""
     state = state_of(model)
-    if state.executor is not None:
-        state.executor.sync_out()
+    if state.executor is None:
+        return
+    state.executor.sync_out()
     state.executor = None
     _keras_functions_anew(model)
 
@@ -158,8 +161,7 @@ class StrategyTrainer:
         `reason` and trains under `strategy` (over the same devices)
         from here on, with the values trained so far."""
         notices.must_tell(reason, stacklevel=2)
-        detach_strategy(self)
-        attach_strategy(self, graph, strategy)
+        attach_strategy(self, graph, strategy)  # detaches the old one
 
     def _strategy_needs_own_step(self, reason: str) -> None:
         """The strategy's layer-by-layer step would drop what `reason`
