@@ -75,10 +75,19 @@ def synchronous_dtensor() -> None:
     """
     from tensorflow.dtensor.python import api
 
-    # TensorFlow's module-level device; if a version renames it, the
-    # device is taken to exist (TensorFlow's default then stays).
-    if getattr(api, "_dtensor_singleton", True) is None:
+    if not dtensor_device_made():
         api.reset_dtensor_device(is_async=False)
+
+
+def dtensor_device_made() -> bool:
+    """Whether this process made DTensor's device already: the settings
+    it reads when made (synchronous calls, all-reduce combining) can no
+    longer change."""
+    from tensorflow.dtensor.python import api
+
+    # TensorFlow's module-level device; if a version renames it, the
+    # device is taken to exist (TensorFlow's defaults then stay).
+    return getattr(api, "_dtensor_singleton", True) is not None
 
 
 # Seed every client's random generators alike, before the script runs.

@@ -37,11 +37,7 @@ def choose_for(graph: Any) -> bool | None:
     """Before DTensor's first use in this process: sets the switch for
     `graph` (unless the user set it). Returns whether combining is on,
     or None when DTensor's device exists already (nothing can change)."""
-    from tensorflow.dtensor.python import api
-
-    # TensorFlow's module-level device; if a version renames it, the
-    # device is taken to exist (the switch would then change nothing).
-    if getattr(api, "_dtensor_singleton", True) is not None:
+    if devices.dtensor_device_made():
         return None
     return settings.combine_all_reduces(len(graph) < DEEP_GRAPH_OPS)
 
