@@ -661,6 +661,12 @@ class ModelStepExecutor:
         return keras_function(self.model, kind, self.run, self._failed,
                               self._unfed.replay if kind == "train" else None)
 
+    def _traced_again(self, kind: str, batches: Any) -> Any:
+        """`batches` redone by steps traced anew (after a first run or
+        trace that changed nothing, with a mode of `_failed` changed)."""
+        self._functions.clear()
+        return self.make_function(kind)(batches)
+
     def _failed(self, kind: str, error: Exception, batches: Any,
                 batch: Any) -> Any:
         """A DTensor failure of a step's first run, or an op without a
@@ -681,8 +687,7 @@ class ModelStepExecutor:
             # TensorFlow writes as a constant for a known shape and
             # refuses otherwise): traced again, the batch size written in.
             self._static_batch = True
-            self._functions.clear()
-            return self.make_function(kind)(batches)
+            return self._traced_again(kind, batches)
         if not isinstance(error, tf.errors.OpError):
             raise error
         if collectives_aborted(error):  # no retrace can help
@@ -697,8 +702,7 @@ class ModelStepExecutor:
             # from the loop's carries: "operand #0 does not dominate this
             # use" under a Dense on fewer devices after the RNN) run
             # unrolled; the step is traced again and redone.
-            self._functions.clear()
-            return self.make_function(kind)(batches)
+            return self._traced_again(kind, batches)
         op = op_to_replicate(error) if first else None
         if (op is not None and op not in self.replicated_ops
                 and len(self.replicated_ops) < _MAX_REPLICATED
@@ -708,8 +712,7 @@ class ModelStepExecutor:
             # nothing, so the step is traced again and redone.
             self.replicated_ops.append(op)
             op_rules.enable([op])
-            self._functions.clear()
-            return self.make_function(kind)(batches)
+            return self._traced_again(kind, batches)
         if first and not (self._static_batch or self.loops.recurrent):
             # DTensor expands some ops only on static shapes ("failed to
             # extract constant value", "requires output type to have
@@ -719,8 +722,7 @@ class ModelStepExecutor:
             # `ops.tile`): the steps are traced again with their batch
             # size written in (each batch size has its own step anyway).
             self._static_batch = True
-            self._functions.clear()
-            return self.make_function(kind)(batches)
+            return self._traced_again(kind, batches)
         if first and not self._outputs_whole:
             # DTensor fails on some code of the user's step outside the
             # layers, on the batch-split outputs ("EmitAllScatter was
@@ -730,8 +732,7 @@ class ModelStepExecutor:
             # again with the model's outputs whole on every device, so
             # that code runs replicated; the layers keep their layouts.
             self._outputs_whole = True
-            self._functions.clear()
-            return self.make_function(kind)(batches)
+            return self._traced_again(kind, batches)
         return fall_back(self.model, kind, error, batches, False, first)
 
 
