@@ -23,7 +23,8 @@ from flexflow_keras.strategy import ParallelConfig, Strategy  # noqa: E402
 
 _namespace.mirror(
     globals(), __name__,
-    own={"Model", "Sequential", "models", "applications", "saving"},
+    own={"Model", "Sequential", "models", "applications", "saving",
+         "layers", "utils"},
 )
 # Model builders and loaders return our models (weights and layers kept).
 _namespace.mirror_with(
@@ -31,12 +32,22 @@ _namespace.mirror_with(
     lambda name, value: _namespace.returning(models.as_flexflow_model)(value)
     if callable(value) and name[:1].isupper() else value,
 )
+# Every public way from a config back to an object: a model's config
+# comes back ours (`keras.utils.deserialize_keras_object` is saving's).
+_loaders = {
+    "load_model": models.load_model,
+    "deserialize_keras_object": models.deserialize_keras_object,
+}
+for _name in ("saving", "utils"):
+    _namespace.mirror_with(
+        globals(), __name__, _name,
+        lambda name, value: _loaders.get(name, value),
+    )
+del _name, _loaders  # the copies hold the replacements
 _namespace.mirror_with(
-    globals(), __name__, "saving",
-    lambda name, value: {
-        "load_model": models.load_model,
-        "deserialize_keras_object": models.deserialize_keras_object,
-    }.get(name, value),
+    globals(), __name__, "layers",
+    lambda name, value: models.deserialize_layer
+    if name == "deserialize" else value,
 )
 
 __version__ = "0.1.0"

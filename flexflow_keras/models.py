@@ -644,6 +644,15 @@ def deserialize_keras_object(config: Any, custom_objects: dict | None = None,
             config, custom_objects=objects, **kwargs)
 
 
+def deserialize_layer(config: dict, custom_objects: dict | None = None
+                      ) -> Any:
+    """`keras.layers.deserialize`, returning flexflow_keras models (a
+    model's config, as `keras.layers.serialize` wrote it, came back a
+    plain Keras model, which trained on one device)."""
+    with _loading_as_ours(custom_objects) as objects:
+        return keras.layers.deserialize(config, custom_objects=objects)
+
+
 def load_model(
     filepath: Any,
     custom_objects: dict | None = None,

@@ -60,13 +60,17 @@ class NamespaceTest(unittest.TestCase):
         self.assertIs(flexflow_keras.optimizers.Adam, keras.optimizers.Adam)
 
     def test_submodules_import_by_dotted_path(self):
-        for name in ("layers", "ops", "optimizers", "callbacks", "utils",
-                     "random", "backend"):
+        for name in ("ops", "optimizers", "callbacks", "random", "backend"):
             module = importlib.import_module(f"flexflow_keras.{name}")
             self.assertIs(module, getattr(keras, name))
-        from flexflow_keras.layers import Dense  # noqa: F401
+        from flexflow_keras.layers import Dense
+        from flexflow_keras.utils import PyDataset
+
+        self.assertIs(Dense, keras.layers.Dense)
+        self.assertIs(PyDataset, keras.utils.PyDataset)
         # Ours, model builders and loaders aside (see ModelBuildersTest).
-        for name in ("applications", "applications.resnet50", "saving"):
+        for name in ("applications", "applications.resnet50", "saving",
+                     "layers", "utils"):
             module = importlib.import_module(f"flexflow_keras.{name}")
             self.assertIsNot(module, importlib.import_module(f"keras.{name}"))
         from flexflow_keras.applications.resnet50 import (  # noqa: F401
@@ -126,9 +130,24 @@ class ModelBuildersTest(unittest.TestCase):
             keras.Model(inputs, keras.layers.Dense(2)(inputs)))
         self.assertIsInstance(
             flexflow_keras.saving.deserialize_keras_object(config), Model)
+        # (Keras's deserializer changes the config it reads: a new one.)
+        config = keras.saving.serialize_keras_object(
+            keras.Model(inputs, keras.layers.Dense(2)(inputs)))
+        self.assertIsInstance(
+            flexflow_keras.utils.deserialize_keras_object(config), Model)
+        for model in (keras.Model(inputs, keras.layers.Dense(2)(inputs)),
+                      keras.Sequential([keras.Input((3,)),
+                                        keras.layers.Dense(2)])):
+            loaded = flexflow_keras.layers.deserialize(
+                keras.layers.serialize(model))
+            self.assertIsInstance(loaded, (Model, Sequential))
+            self.assertEqual(loaded.get_config(), model.get_config())
         # Anything else comes back as Keras gives it.
         dense = flexflow_keras.saving.deserialize_keras_object(
             keras.saving.serialize_keras_object(keras.layers.Dense(2)))
+        self.assertIsInstance(dense, keras.layers.Dense)
+        dense = flexflow_keras.layers.deserialize(
+            keras.layers.serialize(keras.layers.Dense(2)))
         self.assertIsInstance(dense, keras.layers.Dense)
 
 
