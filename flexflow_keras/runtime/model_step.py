@@ -32,6 +32,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
+from keras.src.backend import get_keras_mask, set_keras_mask
 from keras.src.ops.operation import Operation
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 from tensorflow.experimental import dtensor
@@ -180,8 +181,8 @@ class ModelStepExecutor:
         self._splits_beyond_batch = any(
             dim != 0 for plan in plans for dim in plan.axes
         )
-        self._functions: dict[tuple, Any] = {}  # (kind, batch) -> step
-        self._ran: set[tuple] = set()  # (kind, batch) of steps that ran
+        self._functions: dict[tuple, Any] = {}  # `step_key` -> step
+        self._ran: set[tuple] = set()  # `step_key`s of steps that ran
         self._learning_rates: dict[int, float] = {}
         self._transfers = Transfers(self.mesh)
         # Ops a first run found DTensor could not lay out, now replicated.
@@ -445,14 +446,16 @@ class ModelStepExecutor:
         # query and value, whose layouts differ under a sequence split
         # (keyed by tensor, the query came in replicated: `realized.py`).
         positions = iter(range(len(leaves)))
+        copies = []  # (the caller's tensor, the one the call gets)
 
         def relaid(value):
             if not _is_traced_tensor(value):
                 return value
             layout = layouts.get(next(positions))
-            return value if layout is None else dtensor.relayout(
-                value, layout
-            )
+            if layout is None:
+                return value
+            copies.append((value, relaid_like_keras(value, layout)))
+            return copies[-1][1]
 
         args, kwargs = tree.map_structure(relaid, (args, kwargs))
         inner = any(op_rules.splits_inner_dims(layout)
@@ -460,6 +463,7 @@ class ModelStepExecutor:
         with self.loops.running(operation), self._inside(), \
                 op_rules.inner_splits_kept(inner):
             outputs = _KERAS_CALL(operation, *args, **kwargs)
+        _masks_as_the_call_left_them(copies)
         flat = tree.flatten(outputs)
         placed = []
         for index, value in enumerate(flat):
@@ -491,6 +495,7 @@ class ModelStepExecutor:
         <256,7,7,32> got shape: <64,7,7,32>").
         """
         layout_of = self._outside_layout
+        copies = []  # (the caller's tensor, the one the call gets)
 
         def placed(value):
             if not _is_traced_tensor(value) or not value.shape.rank \
@@ -498,9 +503,16 @@ class ModelStepExecutor:
                 return value
             return relaid_like_keras(value, layout_of(value.shape.rank))
 
-        args, kwargs = tree.map_structure(placed, (args, kwargs))
+        def placed_input(value):
+            relaid = placed(value)
+            if relaid is not value:
+                copies.append((value, relaid))
+            return relaid
+
+        args, kwargs = tree.map_structure(placed_input, (args, kwargs))
         with self._inside():
             outputs = _KERAS_CALL(operation, *args, **kwargs)
+        _masks_as_the_call_left_them(copies)
         return tree.map_structure(placed, outputs)
 
     def _outside_layout(self, rank: int) -> Any:
@@ -538,16 +550,18 @@ class ModelStepExecutor:
 
     # -- steps ----------------------------------------------------------------
 
-    def _trace(self, kind: str, data: Any) -> Any:
-        """The step of `kind` for `data`'s batch size, traced with the
+    def _trace(self, key: tuple, data: Any) -> Any:
+        """The step of `key` (`step_key`) for `data`, traced with the
         batch dim unknown, as Keras traces its step on a dataset's
         element spec (so shape-dependent Keras code, such as the
         per-output loss trackers' weighting, behaves identically).
 
         One function per batch size: a batch of another size than the
         strategy's (the last partial batch, evaluate/predict batches)
-        runs with the batch dim unsharded on the same mesh.
+        runs with the batch dim unsharded on the same mesh. And one per
+        batch structure (`step_key`).
         """
+        kind = key[0]
         batch = data.batch
         step = getattr(self.model, f"{kind}_step")
 
@@ -593,7 +607,7 @@ class ModelStepExecutor:
         if self._realize():  # the trace made variables: trace anew
             self._functions.clear()
             function = rolled_rnn.RedoneOnNameClash(traced_once)
-        self._functions[(kind, batch)] = function
+        self._functions[key] = function
         return function
 
     def _on_mesh(self, data: Any) -> "_MeshBatch":
@@ -634,22 +648,23 @@ class ModelStepExecutor:
 
     def run(self, kind: str, data: Any) -> Any:
         """One step of `kind` on one batch; regular tensors out."""
-        function = self._functions.get((kind, _batch_of(data)))
+        key = step_key(kind, data)
+        function = self._functions.get(key)
         if function is None and kind != "predict":
             self._build(data, kind)
         batch = self._on_mesh(data)  # once: copies, host lookups
         if function is None:
             self._realize()
-            function = self._trace(kind, batch)
+            function = self._trace(key, batch)
         if kind == "train":
             self._push_learning_rates()
         outputs = function(batch)
-        first = (kind, _batch_of(data)) not in self._ran
+        first = key not in self._ran
         if first:
             # DTensor runs functions asynchronously: a first run's error
             # would surface at some later op, past `_failed`'s reach.
             context.async_wait()
-        self._ran.add((kind, _batch_of(data)))
+        self._ran.add(key)
         if kind == "train":
             self.dirty = True
             if first:  # FLEXFLOW_KERAS_SHOW_LAYOUTS
@@ -679,7 +694,7 @@ class ModelStepExecutor:
         if isinstance(error, CalledElsewhere):  # found while tracing
             return to_plain_keras(self.model, kind, str(error), batches)
         if (not isinstance(error, tf.errors.OpError)
-                and (kind, _batch_of(batch)) not in self._functions
+                and step_key(kind, batch) not in self._functions
                 and not (self._static_batch or self.loops.recurrent)):
             # The step's own code failed as it was traced on an unknown
             # batch dim, where Keras traced it on a dataset's known one
@@ -692,7 +707,7 @@ class ModelStepExecutor:
             raise error
         if collectives_aborted(error):  # no retrace can help
             return fall_back(self.model, kind, error, batches, False)
-        first = (kind, _batch_of(batch)) not in self._ran
+        first = step_key(kind, batch) not in self._ran
         if first:
             context.async_clear_error()
         if first and failed_while_running(error):  # Keras decides
@@ -868,7 +883,31 @@ def relaid_like_keras(value: Any, layout: Any) -> Any:
     logits = keras_logits(value)
     if logits is not None:
         relaid._keras_logits = logits
+    mask = get_keras_mask(value)
+    if mask is not None:
+        set_keras_mask(relaid, mask)
     return relaid
+
+
+def _masks_as_the_call_left_them(copies: list) -> None:
+    """The Keras masks of a call's relaid inputs (`copies`: pairs of the
+    caller's tensor and the relaid one the call got), back on the
+    caller's tensors.
+
+    Why: a layer may read its inputs' masks inside its call, and change
+    them. `MultiHeadAttention` reads the query's mask from the query
+    itself and then removes the masks of query, value and key; in Keras,
+    a later consumer of those tensors sees them unmasked. Relaid, its
+    query had no mask (`relaid_like_keras` now keeps it): attention over
+    padded sequences used the value's mask alone, and the model trained
+    to other weights than in Keras (a masked Embedding, self-attention
+    and a residual `attention + embedded`: first loss 1.09786 against
+    Keras's 1.09620).
+    """
+    for original, relaid in copies:
+        mask = get_keras_mask(relaid)
+        if mask is not get_keras_mask(original):
+            set_keras_mask(original, mask)
 
 
 def keras_logits(value: Any) -> Any:
@@ -925,6 +964,30 @@ def _specs(data: Any, static_batch: bool = False) -> Any:
         return value
 
     return tree.map_structure(spec, data)
+
+
+def step_key(kind: str, data: Any) -> tuple:
+    """What a step function is kept and known to have run under: its
+    kind, the batch size, and what else a trace depends on (the batch's
+    structure, each tensor's dtype and other dims).
+
+    Why the structure: fit's validation batches carried sample weights
+    (`validation_split` with `sample_weight`) and evaluate's did not.
+    Keyed by kind and size alone, the validation step's function was
+    called on evaluate's batches and TensorFlow traced it again, outside
+    `_trace`: without the captures laid on the mesh, the raw variables'
+    copies, or the redo of a refused first call, so a model with a
+    recurrent layer failed ("Cannot add function '.../rnn_loop_..._body'
+    because a different function with the same name already exists").
+    """
+
+    def signature(value):
+        shape = getattr(value, "shape", None)
+        if shape is None:
+            return type(value).__name__
+        return tuple(shape)[1:], str(getattr(value, "dtype", ""))
+
+    return kind, _batch_of(data), repr(tree.map_structure(signature, data))
 
 
 def _batch_of(data: Any) -> int | None:

@@ -1,0 +1,212 @@
+"""Features a user combines in one text model train equal to plain Keras.
+
+Each feature here passed on its own (the own-step and layer matrices);
+together they gave two faults:
+
+- Self-attention over a masked Embedding. Keras's `MultiHeadAttention`
+  reads the query's mask from the query tensor inside its call, then
+  removes the masks of query, value and key. The runtime relays each
+  input of an op to its layout, and the relaid query had no mask:
+  attention used the value's mask alone, so a residual `attention +
+  inputs` trained to other weights (first loss 1.09786 against Keras's
+  1.09620). Relaid inputs now keep their mask, and what the call does
+  to it reaches the caller's tensor (`model_step.
+  _masks_as_the_call_left_them`).
+- Validation batches with sample weights (`validation_split` with
+  `sample_weight`), then `evaluate()` without: the test step's function
+  was kept by batch size alone, so TensorFlow traced it again for
+  evaluate's batches outside the runtime, and a model with a recurrent
+  layer failed ("Cannot add function '.../rnn_loop_..._body' because a
+  different function with the same name already exists"). A step is now
+  kept by its batch's structure too (`model_step.step_key`). The same
+  retrace outside the runtime lost a raw `tf.Variable` counter's
+  writes: a later fit with sample weights or class weights counted 4
+  steps of 12.
+"""
+
+import unittest
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import flexflow_keras as fk
+from runtime_support import assert_own_step_under_strategy, \
+    train_plain_and_ours
+
+ROWS, STEPS, VOCAB = 80, 10, 50
+
+
+def sentences(seed=0):
+    """Token ids padded with 0 after a random length, labels, weights."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(1, VOCAB, size=(ROWS, STEPS))
+    for row in x:
+        row[rng.integers(4, STEPS):] = 0
+    return (x, rng.integers(0, 3, size=(ROWS,)),
+            rng.uniform(0.5, 2.0, size=(ROWS,)).astype("float32"))
+
+
+def build_text_model(mod):
+    """A masked Embedding, a layer of the user's that reads the mask,
+    adds a loss and holds a Dropout, a Bidirectional GRU, self-attention
+    with dropout and a residual, LayerNormalization, a regularizer, a
+    `compute_loss` override, and weighted metrics."""
+
+    class Gate(mod.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.supports_masking = True
+            self.dropout = mod.layers.Dropout(0.25, seed=3)
+
+        def build(self, shape):
+            self.scale = self.add_weight(shape=(shape[-1],),
+                                         initializer="ones", name="scale")
+
+        def call(self, x, mask=None, training=False):
+            h = self.dropout(x * self.scale, training=training)
+            if mask is not None:
+                kept = keras.ops.cast(mask, h.dtype)[..., None]
+                self.add_loss(1e-3 * keras.ops.sum(keras.ops.square(
+                    h * kept)) / keras.ops.sum(kept))
+            return h
+
+    class Classifier(mod.Model):
+        def compute_loss(self, x=None, y=None, y_pred=None,
+                         sample_weight=None, training=True):
+            loss = super().compute_loss(x, y, y_pred, sample_weight,
+                                        training=training)
+            return loss + 0.01 * keras.ops.mean(keras.ops.square(y_pred))
+
+    tokens = mod.Input((STEPS,), dtype="int32")
+    h = mod.layers.Embedding(VOCAB, 16, mask_zero=True)(tokens)
+    h = Gate(name="gate")(h)
+    h = mod.layers.Bidirectional(
+        mod.layers.GRU(8, return_sequences=True))(h)
+    attended = mod.layers.MultiHeadAttention(
+        2, 8, dropout=0.1, seed=5)(h, h)
+    h = mod.layers.LayerNormalization()(attended + h)
+    h = mod.layers.GlobalAveragePooling1D()(h)
+    h = mod.layers.Dense(16, activation="gelu",
+                         kernel_regularizer=keras.regularizers.l2(1e-3))(h)
+    outputs = mod.layers.Dense(3, activation="softmax")(h)
+    model = Classifier(tokens, outputs)
+    options = {"search_budget": 50} if mod is fk else {}
+    model.compile(optimizer=keras.optimizers.AdamW(3e-3, clipnorm=1.0),
+                  loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"], weighted_metrics=["accuracy"],
+                  **options)
+    return model
+
+
+def build_attention_then_residual(mod):
+    """Self-attention over a masked Embedding, added back to it: Keras
+    removes the Embedding's mask in the attention's call, so the pooling
+    after the sum averages every step."""
+    tokens = mod.Input((STEPS,), dtype="int32")
+    embedded = mod.layers.Embedding(VOCAB, 16, mask_zero=True)(tokens)
+    attended = mod.layers.MultiHeadAttention(2, 8, seed=5)(
+        embedded, embedded)
+    h = mod.layers.GlobalAveragePooling1D()(attended + embedded)
+    model = mod.Model(tokens, mod.layers.Dense(3, activation="softmax")(h))
+    options = {"search_budget": 30} if mod is fk else {}
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss="sparse_categorical_crossentropy", **options)
+    return model
+
+
+def build_counting_classifier(mod):
+    """A model counting its train steps in a raw `tf.Variable`."""
+
+    class Counting(mod.Model):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.steps = tf.Variable(0.0, trainable=False)
+
+        def train_step(self, data):
+            self.steps.assign_add(1.0)
+            return super().train_step(data)
+
+    inputs = mod.Input((12,))
+    h = mod.layers.Dense(16, activation="relu")(inputs)
+    h = mod.layers.Dropout(0.2, seed=2)(h)
+    model = Counting(inputs, mod.layers.Dense(3, activation="softmax")(h))
+    options = {"search_budget": 30} if mod is fk else {}
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
+                  weighted_metrics=["accuracy"], **options)
+    return model
+
+
+class FeatureCombinationsTest(unittest.TestCase):
+    def test_masked_text_model_with_everything(self):
+        x, y, weights = sentences()
+
+        def train(model):
+            history = model.fit(
+                x, y, sample_weight=weights, batch_size=16, epochs=2,
+                validation_split=0.2, shuffle=False, verbose=0).history
+            # No sample weights now: another structure than validation's.
+            evaluated = model.evaluate(x, y, batch_size=16, verbose=0,
+                                       return_dict=True)
+            return history, evaluated, model.predict(x[:16], verbose=0)
+
+        runs = train_plain_and_ours(build_text_model, 3, train)
+        assert_own_step_under_strategy(self, runs)
+        (plain, (history, evaluated, predicted), _) = runs["plain"]
+        (ours, (our_history, our_evaluated, our_predicted), _) = runs["ours"]
+        devices = {d for c in ours.strategy.values() for d in c.device_ids}
+        self.assertGreater(len(devices), 1)
+        for key, values in history.items():
+            np.testing.assert_allclose(our_history[key], values, rtol=1e-5,
+                                       atol=1e-6, err_msg=key)
+        for key, value in evaluated.items():
+            self.assertAlmostEqual(our_evaluated[key], value, places=5,
+                                   msg=key)
+        np.testing.assert_allclose(our_predicted, predicted, atol=1e-6)
+        for a, b in zip(plain.get_weights(), ours.get_weights()):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+    def test_attention_removes_its_inputs_masks_as_in_keras(self):
+        x, y, _ = sentences(1)
+
+        def train(model):
+            return model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                             verbose=0).history
+
+        runs = train_plain_and_ours(build_attention_then_residual, 4, train)
+        np.testing.assert_allclose(runs["ours"][1]["loss"],
+                                   runs["plain"][1]["loss"], rtol=1e-6)
+        for a, b in zip(runs["plain"][0].get_weights(),
+                        runs["ours"][0].get_weights()):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+    def test_later_fits_with_sample_and_class_weights(self):
+        rng = np.random.default_rng(2)
+        x = rng.normal(size=(64, 12)).astype("float32")
+        y = rng.integers(0, 3, size=(64,))
+        weights = rng.uniform(0.5, 2.0, size=(64,)).astype("float32")
+
+        def train(model):
+            fit = dict(batch_size=16, epochs=1, shuffle=False, verbose=0)
+            return [model.fit(x, y, **fit).history,
+                    model.fit(x, y, sample_weight=weights, **fit).history,
+                    model.fit(x, y, class_weight={0: 1.0, 1: 2.0, 2: 0.5},
+                              **fit).history,
+                    float(model.steps.numpy())]
+
+        runs = train_plain_and_ours(build_counting_classifier, 3, train)
+        assert_own_step_under_strategy(self, runs)
+        plain, ours = runs["plain"][1], runs["ours"][1]
+        self.assertEqual(ours[-1], 12.0)
+        self.assertEqual(ours[-1], plain[-1])
+        for history, our_history in zip(plain[:-1], ours[:-1]):
+            for key, values in history.items():
+                np.testing.assert_allclose(our_history[key], values,
+                                           rtol=1e-5, err_msg=key)
+        for a, b in zip(runs["plain"][0].get_weights(),
+                        runs["ours"][0].get_weights()):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+if __name__ == "__main__":
+    unittest.main()
