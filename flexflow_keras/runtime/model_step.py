@@ -251,8 +251,14 @@ class ModelStepExecutor:
             layout = layouts.get(id(var)) or replicated(
                 self.mesh, len(var.shape)
             )
+            # Named as Keras's own variable (`dense/kernel`): Keras's
+            # optimizers match `exclude_from_weight_decay(var_names=...)`
+            # against the name of the variable they update, which is this
+            # one in the step; unnamed, AdamW decayed the excluded
+            # BatchNormalization gammas and biases.
             step_var = deferred.StepVariable(
-                to_layout(var.value, layout), trainable=var.trainable
+                to_layout(var.value, layout), trainable=var.trainable,
+                name=var.value.name.split(":")[0],
             )
             self._pairs.append((var, step_var, layout))
             self._key_map[step_var._unique_id] = var.value._unique_id

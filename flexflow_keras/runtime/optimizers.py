@@ -103,8 +103,11 @@ class Updater:
             self._slots[id(dvar)] = slots
             self._keras_of[id(dvar)] = var
             self._layout_of[id(dvar)] = layout
+            # Asked of the TensorFlow variable, as Keras's optimizer asks
+            # it: `exclude_from_weight_decay(var_names=...)` is matched
+            # against its name, the variable's path (`dense/kernel`).
             self._decay[id(dvar)] = bool(wd) and optimizer._use_weight_decay(
-                var
+                var.value
             )
         self.push()
 
