@@ -149,6 +149,13 @@ def build_counting_classifier(mod):
     return model
 
 
+def assert_same_weights(runs):
+    """`train_plain_and_ours`'s two models hold equal weights."""
+    for a, b in zip(runs["plain"][0].get_weights(),
+                    runs["ours"][0].get_weights()):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
 class FeatureCombinationsTest(unittest.TestCase):
     def test_masked_text_model_with_everything(self):
         x, y, weights = sentences()
@@ -164,7 +171,7 @@ class FeatureCombinationsTest(unittest.TestCase):
 
         runs = train_plain_and_ours(build_text_model, 3, train)
         assert_own_step_under_strategy(self, runs)
-        (plain, (history, evaluated, predicted), _) = runs["plain"]
+        (_, (history, evaluated, predicted), _) = runs["plain"]
         (ours, (our_history, our_evaluated, our_predicted), _) = runs["ours"]
         devices = {d for c in ours.strategy.values() for d in c.device_ids}
         self.assertGreater(len(devices), 1)
@@ -175,8 +182,7 @@ class FeatureCombinationsTest(unittest.TestCase):
             self.assertAlmostEqual(our_evaluated[key], value, places=5,
                                    msg=key)
         np.testing.assert_allclose(our_predicted, predicted, atol=1e-6)
-        for a, b in zip(plain.get_weights(), ours.get_weights()):
-            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+        assert_same_weights(runs)
 
     def test_attention_removes_its_inputs_masks_as_in_keras(self):
         x, y, _ = sentences(1)
@@ -188,9 +194,7 @@ class FeatureCombinationsTest(unittest.TestCase):
         runs = train_plain_and_ours(build_attention_then_residual, 4, train)
         np.testing.assert_allclose(runs["ours"][1]["loss"],
                                    runs["plain"][1]["loss"], rtol=1e-6)
-        for a, b in zip(runs["plain"][0].get_weights(),
-                        runs["ours"][0].get_weights()):
-            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+        assert_same_weights(runs)
 
     def test_later_fits_with_sample_and_class_weights(self):
         rng = np.random.default_rng(2)
@@ -215,9 +219,7 @@ class FeatureCombinationsTest(unittest.TestCase):
             for key, values in history.items():
                 np.testing.assert_allclose(our_history[key], values,
                                            rtol=1e-5, err_msg=key)
-        for a, b in zip(runs["plain"][0].get_weights(),
-                        runs["ours"][0].get_weights()):
-            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+        assert_same_weights(runs)
 
     def test_weight_decay_excluded_by_name(self):
         rng = np.random.default_rng(5)
