@@ -616,6 +616,11 @@ class ModelStepExecutor:
         self._functions[key] = function
         return function
 
+    @staticmethod
+    def step_key(kind: str, data: Any) -> tuple:
+        """`step_key`, for `realized.record` (which this module imports)."""
+        return step_key(kind, data)
+
     def _on_mesh(self, data: Any) -> "_MeshBatch":
         """Each tensor of a batch onto the mesh: replicated (one local
         copy per device) in one process; in DTensor's multi-client mode,

@@ -215,8 +215,6 @@ def recording(executor: Any, skip: Callable[[], bool]) -> Iterator[Any]:
 def record(executor: Any, data: Any) -> list[Realized]:
     """The layouts of every op's tensors in `executor`'s train step on
     the batch `data` (as `fit` gives it); training state unchanged."""
-    from flexflow_keras.runtime.model_step import step_key
-
     batch = executor._on_mesh(data)
     recorder = _Recorder(executor)
     functions = dict(executor._functions)
@@ -225,7 +223,8 @@ def record(executor: Any, data: Any) -> list[Realized]:
     # (`rolled_rnn.RedoneOnNameClash`), and each trace records afresh.
     _REQUESTED.append(recorder)
     try:
-        function = executor._trace(step_key("train", data), batch)
+        function = executor._trace(executor.step_key("train", data),
+                                   batch)
         layouts = _run_unchanged(executor, function, batch, recorder)
     finally:
         _REQUESTED.remove(recorder)
