@@ -880,15 +880,16 @@ def _own_rows(value: Any, mesh: Any) -> Any:
 
 
 def relaid_like_keras(value: Any, layout: Any) -> Any:
-    """`dtensor.relayout(value, layout)`, still known to Keras as the
-    softmax or sigmoid of its logits.
+    """`dtensor.relayout(value, layout)`, still known to Keras as what
+    `value` was: the softmax or sigmoid of its logits, masked by its mask.
 
     Keras's crossentropies read the logits of a probability output (the
     `_keras_logits` its activations set, or a `Softmax`/`Sigmoid` op's
     input) and compute from them, not from the clipped probabilities; a
     relayout is a new tensor without either (measured: keras.io's
     subclassing_conv_layers, whose saturated softmax gave a first-batch
-    loss of 11.21 against Keras's 16.01).
+    loss of 11.21 against Keras's 16.01). Layers read their inputs' masks
+    from the tensors too (`_masks_as_the_call_left_them`).
     """
     relaid = dtensor.relayout(value, layout)
     logits = keras_logits(value)
