@@ -44,7 +44,8 @@ from flexflow_keras import user_random
 from flexflow_keras.model_state import state_of
 from flexflow_keras.runtime import (
     deferred, fresh_state, op_rules, raw_variables, realized, rolled_rnn,
-    stateful_draws, step_rules, unfed_step, unroll, untracked,
+    stateful_draws, step_rules, unfed_step, unknown_batch, unroll,
+    untracked,
 )
 from flexflow_keras.runtime.fallback import (
     collectives_aborted, fall_back, failed_while_running, op_to_replicate,
@@ -560,8 +561,9 @@ class ModelStepExecutor:
     def _trace(self, key: tuple, data: Any) -> Any:
         """The step of `key` (`step_key`) for `data`, traced with the
         batch dim unknown, as Keras traces its step on a dataset's
-        element spec (so shape-dependent Keras code, such as the
-        per-output loss trackers' weighting, behaves identically).
+        element spec, unless rolled loops or DTensor need it static
+        (then `unknown_batch` keeps the per-output loss trackers'
+        weighting as on Keras's trace).
 
         One function per batch size: a batch of another size than the
         strategy's (the last partial batch, evaluate/predict batches)
@@ -587,8 +589,14 @@ class ModelStepExecutor:
                 # here, to read the layouts DTensor gives each op.
                 record = (self._unfed.recording() if kind == "train"
                           else contextlib.nullcontext())
+                # Traced with the batch size written in, Keras code that
+                # reads it must act as on Keras's own trace.
+                static = (unknown_batch.loss_trackers_unweighted(self.model)
+                          if _batch_of(values) is not None
+                          else contextlib.nullcontext())
                 with self._realized(kind), realized.recording(
-                        self, lambda: _TAPES.depth > 1) as returned, record:
+                        self, lambda: _TAPES.depth > 1) as returned, \
+                        record, static:
                     try:
                         outputs = step(data)
                     finally:
