@@ -29,7 +29,7 @@ from flexflow_keras.keras_graph import (
     unknown_dims,
 )
 from flexflow_keras.model_state import state_of
-from flexflow_keras.runtime import StrategyTrainer
+from flexflow_keras.runtime import StrategyTrainer, step_prints
 
 # compile() keywords that are ours, not Keras's.
 _OUR_COMPILE_ARGS = settings_lib.FIELDS + ("batch_size",)
@@ -244,7 +244,7 @@ class _PlanningModel(StrategyTrainer):
             try:
                 # Planning runs layers (cost measurement, probes): the
                 # model's seeds and statistics are put back after it.
-                with user_random.kept(self):
+                with user_random.kept(self), step_prints.silenced():
                     if clients is None:
                         plan = make()
                     else:

@@ -44,8 +44,8 @@ from flexflow_keras import user_random
 from flexflow_keras.model_state import state_of
 from flexflow_keras.runtime import (
     deferred, fresh_state, op_rules, raw_variables, realized, rolled_rnn,
-    stateful_draws, step_rules, unfed_step, unknown_batch, unroll,
-    untracked,
+    stateful_draws, step_prints, step_rules, unfed_step, unknown_batch,
+    unroll, untracked,
 )
 from flexflow_keras.runtime.fallback import (
     collectives_aborted, fall_back, failed_while_running, op_to_replicate,
@@ -575,6 +575,8 @@ class ModelStepExecutor:
         step = getattr(self.model, f"{kind}_step")
 
         def traced_once() -> Any:
+            printed = [None]  # the trace's `tf.print` calls
+
             # No AutoGraph, as Keras traces its own steps (so a step runs
             # as it does in Keras), and no converted-call cache to go stale.
             @step_function
@@ -596,25 +598,29 @@ class ModelStepExecutor:
                           else contextlib.nullcontext())
                 with self._realized(kind), realized.recording(
                         self, lambda: _TAPES.depth > 1) as returned, \
-                        record, static:
+                        record, static, step_prints.kept(
+                            tf.compat.v1.get_default_graph()) as prints:
                     try:
                         outputs = step(data)
                     finally:
                         if self._hosting:
                             self._hosting = False
                             self._host.end()
+                printed[0] = prints
                 # Gathered here, in the step, rather than by an eager
                 # relayout per output after it (a DTensor dispatch each).
                 return returned(tree.map_structure(
                     lambda v: _replicated_output(v, self.mesh), outputs
-                ))
+                )), [_replicated_output(t, self.mesh)
+                     for t in prints.tensors]
 
             concrete = traced.get_concrete_function(_specs(
                 data.values, self._static_batch or self.loops.recurrent
             ), data.shapes)
             captures_on_mesh(concrete, self.mesh)
             return _StepFunction(traced, kind,
-                                 self._raw_variables.swap_in(concrete))
+                                 self._raw_variables.swap_in(concrete),
+                                 printed)
 
         # A first run DTensor refuses for a loop function's name is
         # traced again and redone (`rolled_rnn.name_clash`).
@@ -842,12 +848,14 @@ class _StepFunction(NamedTuple):
     function: Any  # the tf.function, on (values, padded shapes)
     kind: str  # train, test or predict
     raw: tuple = ()  # `raw_variables.RawVariables.swap_in`'s pairs
+    printed: list | None = None  # [its trace's `step_prints.PrintedOnce`]
 
     def __call__(self, batch: "_MeshBatch") -> Any:
         raw_variables.copy_in(self.raw)
         outputs = self.function(batch.values, batch.shapes)
         raw_variables.copy_out(self.raw)
-        return outputs
+        return step_prints.split(
+            outputs, self.printed[0] if self.printed else None, _regular)
 
 
 class _MeshBatch(NamedTuple):

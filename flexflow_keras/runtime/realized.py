@@ -51,6 +51,7 @@ from keras import tree
 from tensorflow.experimental import dtensor
 from tensorflow.python.eager import context
 
+from flexflow_keras.runtime import step_prints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +244,8 @@ def _run_unchanged(executor: Any, function: Any, batch: Any,
         variables.append(executor._random_state)
     saved = [v.read_value() for v in variables]
     try:
-        _, tensors = function(batch)
+        with step_prints.muted():  # not a step of the user's
+            _, tensors = function(batch)
         context.async_wait()
         return [None if t is None else _layout(v)
                 for t, v in zip(recorder.tensors, tensors)]
