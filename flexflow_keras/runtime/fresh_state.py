@@ -151,10 +151,17 @@ def _value(self):
 def _assign(self, value):
     executor = _before_access(self)
     result = _KERAS_ASSIGN(self, value)
-    _note_write(self)
+    _written(self, executor)
+    return result
+
+
+def _written(var: Any, executor: Any) -> None:
+    """`var` was written eagerly: counted, and `executor` (its owner
+    when the write is synced, else None) copies it in before its next
+    step."""
+    _note_write(var)
     if executor is not None:
         _PENDING.add(executor)
-    return result
 
 
 Variable.value = property(_value, doc=_KERAS_VALUE.__doc__)
@@ -175,10 +182,7 @@ def _put_averages(self, trainable_variables):
     result = _KERAS_PUT_AVERAGES(self, trainable_variables)
     for var in trainable_variables:
         if isinstance(var, Variable):
-            executor = _owner(var)
-            _note_write(var)
-            if executor is not None:
-                _PENDING.add(executor)
+            _written(var, _owner(var))
     return result
 
 
