@@ -52,7 +52,9 @@ class PrintedOnce:
             if isinstance(value, (tf.Tensor, tf.Variable, KerasVariable)):
                 positions.append(index)
                 self.tensors.append(tf.convert_to_tensor(value))
-        self.calls.append((flat, list(inputs), positions, dict(kwargs)))
+                flat[index] = None  # its value comes after each run
+        structure = tree.pack_sequence_as(list(inputs), flat)
+        self.calls.append((flat, structure, positions, dict(kwargs)))
 
     def replay(self, values: list) -> None:
         """Prints each kept call once, with `values` (the kept tensors'
@@ -79,7 +81,9 @@ def kept(graph: Any) -> Iterator[PrintedOnce]:
         if tf.compat.v1.get_default_graph() is not graph:
             return _PRINT(*inputs, **kwargs)
         printed.keep(inputs, kwargs)
-        return None
+        # An op, as `tf.print` returns in a graph: a step may hold it in
+        # `tf.control_dependencies`.
+        return tf.no_op()
 
     previous, tf.print = tf.print, print_in_step
     try:
