@@ -575,7 +575,7 @@ class ModelStepExecutor:
         step = getattr(self.model, f"{kind}_step")
 
         def traced_once() -> Any:
-            printed = [None]  # the trace's `tf.print` calls
+            printed = step_prints.PrintedOnce()  # the trace's tf.print
 
             # No AutoGraph, as Keras traces its own steps (so a step runs
             # as it does in Keras), and no converted-call cache to go stale.
@@ -599,20 +599,19 @@ class ModelStepExecutor:
                 with self._realized(kind), realized.recording(
                         self, lambda: _TAPES.depth > 1) as returned, \
                         record, static, step_prints.kept(
-                            tf.compat.v1.get_default_graph()) as prints:
+                            tf.compat.v1.get_default_graph(), printed):
                     try:
                         outputs = step(data)
                     finally:
                         if self._hosting:
                             self._hosting = False
                             self._host.end()
-                printed[0] = prints
                 # Gathered here, in the step, rather than by an eager
                 # relayout per output after it (a DTensor dispatch each).
                 return returned(tree.map_structure(
                     lambda v: _replicated_output(v, self.mesh), outputs
                 )), [_replicated_output(t, self.mesh)
-                     for t in prints.tensors]
+                     for t in printed.tensors]
 
             concrete = traced.get_concrete_function(_specs(
                 data.values, self._static_batch or self.loops.recurrent
@@ -848,14 +847,13 @@ class _StepFunction(NamedTuple):
     function: Any  # the tf.function, on (values, padded shapes)
     kind: str  # train, test or predict
     raw: tuple = ()  # `raw_variables.RawVariables.swap_in`'s pairs
-    printed: list | None = None  # [its trace's `step_prints.PrintedOnce`]
+    printed: Any = None  # its trace's `step_prints.PrintedOnce`
 
     def __call__(self, batch: "_MeshBatch") -> Any:
         raw_variables.copy_in(self.raw)
         outputs = self.function(batch.values, batch.shapes)
         raw_variables.copy_out(self.raw)
-        return step_prints.split(
-            outputs, self.printed[0] if self.printed else None, _regular)
+        return step_prints.split(outputs, self.printed, _regular)
 
 
 class _MeshBatch(NamedTuple):

@@ -244,7 +244,7 @@ def _run_unchanged(executor: Any, function: Any, batch: Any,
         variables.append(executor._random_state)
     saved = [v.read_value() for v in variables]
     try:
-        with step_prints.muted():  # not a step of the user's
+        with step_prints.silenced():  # not a step of the user's
             _, tensors = function(batch)
         context.async_wait()
         return [None if t is None else _layout(v)

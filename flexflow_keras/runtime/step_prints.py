@@ -32,7 +32,6 @@ from keras import tree
 from keras.src.backend.common.variables import Variable as KerasVariable
 
 _PRINT = tf.print
-_MUTED = [0]
 
 
 class PrintedOnce:
@@ -41,8 +40,12 @@ class PrintedOnce:
     order (`tensors`), which the step returns beside its outputs."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[list, Any, list[int], dict]] = []
+        self.calls: list[tuple[Any, list[int], dict]] = []
         self.tensors: list[Any] = []
+
+    def clear(self) -> None:
+        """Nothing kept: a trace of the step begins."""
+        self.calls, self.tensors = [], []
 
     def keep(self, inputs: tuple, kwargs: dict) -> None:
         """One call's arguments, its tensors kept for the step's outputs."""
@@ -54,28 +57,27 @@ class PrintedOnce:
                 self.tensors.append(tf.convert_to_tensor(value))
                 flat[index] = None  # its value comes after each run
         structure = tree.pack_sequence_as(list(inputs), flat)
-        self.calls.append((flat, structure, positions, dict(kwargs)))
+        self.calls.append((structure, positions, dict(kwargs)))
 
     def replay(self, values: list) -> None:
         """Prints each kept call once, with `values` (the kept tensors'
-        values after the step ran, regular tensors) in their places."""
-        if _MUTED[0]:
-            return
+        values after the step ran, regular tensors) in their places,
+        through `tf.print` as it is now (`silenced` prints nothing)."""
         values = iter(values)
-        for flat, structure, positions, kwargs in self.calls:
-            flat = list(flat)
+        for structure, positions, kwargs in self.calls:
+            flat = tree.flatten(structure)
             for index in positions:
                 flat[index] = next(values)
-            _PRINT(*tree.pack_sequence_as(structure, flat), **kwargs)
+            tf.print(*tree.pack_sequence_as(structure, flat), **kwargs)
 
 
 @contextlib.contextmanager
-def kept(graph: Any) -> Iterator[PrintedOnce]:
+def kept(graph: Any, printed: PrintedOnce) -> Iterator[None]:
     """While a step's body is traced into `graph`: `tf.print` called in
-    `graph` itself is kept in the yielded `PrintedOnce` instead of
+    `graph` itself is kept in `printed` (emptied first) instead of
     printing on every device; called in any other graph, it prints as
     it would."""
-    printed = PrintedOnce()
+    printed.clear()
 
     def print_in_step(*inputs: Any, **kwargs: Any) -> Any:
         if tf.compat.v1.get_default_graph() is not graph:
@@ -87,16 +89,17 @@ def kept(graph: Any) -> Iterator[PrintedOnce]:
 
     previous, tf.print = tf.print, print_in_step
     try:
-        yield printed
+        yield
     finally:
         tf.print = previous
 
 
 @contextlib.contextmanager
 def silenced() -> Iterator[None]:
-    """The package's own runs of the user's code (planning) print
-    nothing: `tf.print` called meanwhile, eagerly or while a graph is
-    traced, does nothing."""
+    """The package's own runs of the user's code (planning, the layout
+    recording `realized.record` runs and undoes) print nothing:
+    `tf.print` called meanwhile, eagerly or while a graph is traced,
+    does nothing."""
     previous, tf.print = tf.print, _print_nothing
     try:
         yield
@@ -106,17 +109,6 @@ def silenced() -> Iterator[None]:
 
 def _print_nothing(*inputs: Any, **kwargs: Any) -> None:
     del inputs, kwargs
-
-
-@contextlib.contextmanager
-def muted() -> Iterator[None]:
-    """Runs of a step that are not the user's (the layout recording
-    `realized.record` runs and undoes) print nothing."""
-    _MUTED[0] += 1
-    try:
-        yield
-    finally:
-        _MUTED[0] -= 1
 
 
 def split(outputs: Any, printed: PrintedOnce | None,
