@@ -129,6 +129,8 @@ class CompareTest(unittest.TestCase):
         self.assertIn("no_such_script.py", done.stderr)
         self.assertIn("not a file", done.stderr)
 
+    # Slow: test_script_with_its_own_flags runs compare by default
+    @pytest.mark.slow
     def test_mlp_example(self):
         done = compare("examples/mlp.py", "--epochs", "2", "--budget", "50")
         self.assertEqual(done.returncode, 0, done.stderr[-3000:])

@@ -65,9 +65,14 @@ class ExampleAccuracyTest(unittest.TestCase):
     def test_custom_train_step(self):
         self.check("custom_train_step", "--epochs", "3")
 
+    # Slow: a step override trains by default in test_custom_train_step
+    @pytest.mark.slow
     def test_distillation(self):
         self.check("distillation", "--epochs", "4")
 
+    # Slow: recurrent layers train by default in test_unroll.py and
+    # test_rolled_rnn.py; ~57 s
+    @pytest.mark.slow
     def test_bidirectional_lstm(self):
         self.check("bidirectional_lstm", "--epochs", "3")
 

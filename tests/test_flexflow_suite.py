@@ -19,12 +19,14 @@ from case_tests import add_case_tests
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEARCH_LINE = "MCMC Search Finished"
 
-# Unmarked: a convolutional, an embedding and an attention model (about
-# 20 s each). Slow: hundreds of layers to trace, or recurrent models
-# (their unrolled steps take longest to trace; `tests/test_examples.py`
-# and `tests/test_unroll.py` train recurrent layers by default).
-QUICK = ("alexnet", "dlrm", "transformer_encoder")
-SLOW = ("rnntc", "rnnlm", "nmt", "inception_v3", "resnet101")
+# Unmarked: a convolutional and an attention model (about 20 s each).
+# Slow: hundreds of layers to trace, recurrent models (their unrolled
+# steps take longest to trace; `tests/test_rolled_rnn.py` and
+# `tests/test_unroll.py` train recurrent layers by default), and DLRM
+# (`tests/test_runtime_equivalence.py` trains a split embedding table and
+# `tests/test_search_suite.py` searches DLRM by default).
+QUICK = ("alexnet", "transformer_encoder")
+SLOW = ("dlrm", "rnntc", "rnnlm", "nmt", "inception_v3", "resnet101")
 
 
 def run_example(name: str, *flags: str) -> str:

@@ -93,6 +93,9 @@ class MultiHostTest(unittest.TestCase):
     def test_two_input_data_parallel(self):
         self._compare("two_input", "--budget", "0")
 
+    # Slow: hosts feeding their own rows: the multi-host runs below feed
+    # arrays; ~60 s
+    @pytest.mark.slow
     def test_dataset_and_generator_inputs(self):
         """Each host feeds its own rows of every global batch, whatever
         fit() reads: the result is one process's."""
@@ -107,6 +110,9 @@ class MultiHostTest(unittest.TestCase):
             f.write(STRATEGIES[kind])
         return path
 
+    # Slow: test_own_step_model_on_two_mesh_axes_across_hosts runs a split
+    # strategy across hosts by default
+    @pytest.mark.slow
     def test_mlp_strategy_across_hosts(self):
         out = self._compare("mlp", "--import",
                             self._strategy_file("mlp"))
@@ -114,6 +120,8 @@ class MultiHostTest(unittest.TestCase):
             self.assertIn(f"[host {client}] strategy: [d0] num_dims(2) "
                           "dims[1,4] device_ids[0,1,2,3]", out)
 
+    # Slow: as above
+    @pytest.mark.slow
     def test_two_input_strategy_across_hosts(self):
         self._compare("two_input", "--import",
                       self._strategy_file("two_input"))
@@ -144,6 +152,9 @@ class MultiHostTest(unittest.TestCase):
         self.assertEqual(set(found), {"[host 0", "[host 1"})
         self.assertEqual(found["[host 0"], found["[host 1"])
 
+    # Slow: the refusal before training; test_lost_host_stops_the_other keeps
+    # a host-failure check by default
+    @pytest.mark.slow
     def test_hosts_with_different_weights_stop_before_training(self):
         out_dir = os.path.join(self.dir, "differ")
         os.makedirs(out_dir)
@@ -169,6 +180,8 @@ class MultiHostTest(unittest.TestCase):
         self.assertIn("[launch] host 1 exited with status -9", done.stdout)
         self.assertFalse(os.path.exists(os.path.join(out_dir, "0.npz")))
 
+    # Slow: as above
+    @pytest.mark.slow
     def test_a_host_that_never_joins_stops_the_others(self):
         """Client 0 alone: it gives up after the join timeout instead of
         waiting for client 1 for ever."""

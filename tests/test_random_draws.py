@@ -293,6 +293,9 @@ class RandomDrawsTest(unittest.TestCase):
         # failed so on a new machine, and in full runs).
         fresh_caches(self)
 
+    # Slow, ~40 s: the channel-split and several-mesh draws below run by
+    # default
+    @pytest.mark.slow
     def test_searched_strategies(self):
         for name in FAST:
             with self.subTest(model=name):

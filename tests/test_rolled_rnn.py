@@ -95,7 +95,6 @@ class RolledRNNTest(unittest.TestCase):
             self.assertGreaterEqual(redos, clashes)
         support.assert_same_fits(self, histories, models)
 
-    @pytest.mark.slow  # `test_name_clash_redone` trains it, refused
     def test_data_parallel(self):
         self.fit_both(lambda graph: Strategy.data_parallel(graph, 4))
 
@@ -124,6 +123,9 @@ class RolledRNNTest(unittest.TestCase):
         self.fit_both(support.several_meshes, executor_type=step.Executor,
                       masked=False, validate=False, rows=WHOLE_BATCHES)
 
+    # Slow: an injected refusal redone four times, ~58 s (test_data_parallel
+    # trains the same model under the same strategy by default)
+    @pytest.mark.slow
     def test_name_clash_redone(self):
         """A first run DTensor refuses for a loop function's name (it
         happens by chance: `rolled_rnn.name_clash`) is traced again and

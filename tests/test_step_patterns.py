@@ -41,6 +41,7 @@ import warnings
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import flexflow_keras as fk
@@ -521,6 +522,8 @@ def build_second_order_step(mod, **options):
 
 
 class StepPatternsTest(unittest.TestCase):
+    # Slow: test_wgan_gradient_penalty runs the WGAN step by default
+    @pytest.mark.slow
     def test_wgan_several_discriminator_updates(self):
         train_both(self, "wgan", lambda mod: build_wgan_gp(mod, False))
 

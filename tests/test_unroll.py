@@ -118,6 +118,9 @@ class DTensorLoopTest(unittest.TestCase):
     def test_loops_equal_keras_loop_every_option(self):
         self.check_loops(OPTIONS)
 
+    # Slow: test_loops_equal_keras_loop checks the loops; test_rolled_rnn.py
+    # trains a Bidirectional LSTM with both dropouts by default; ~38 s
+    @pytest.mark.slow
     def test_dropout_and_bidirectional(self):
         """The backward loop reuses the forward's dropout masks, which
         `RNN.call` cleared before the gradient ran (without putting them
