@@ -51,6 +51,8 @@ def _claim(folder, path):
 
 def _splits(session):
     config = session.config
+    if session.testsfailed and not config.option.continue_on_collection_errors:
+        return False  # pytest's own loop stops on the collection errors
     if os.environ.get(CLAIMS_ENV):
         return True
     files = {item.path for item in session.items}
