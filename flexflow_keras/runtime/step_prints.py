@@ -31,8 +31,6 @@ import tensorflow as tf
 from keras import tree
 from keras.src.backend.common.variables import Variable as KerasVariable
 
-_PRINT = tf.print
-
 
 class PrintedOnce:
     """The `tf.print` calls of one trace of a step: for each, its
@@ -78,16 +76,17 @@ def kept(graph: Any, printed: PrintedOnce) -> Iterator[None]:
     printing on every device; called in any other graph, it prints as
     it would."""
     printed.clear()
+    previous = tf.print
 
     def print_in_step(*inputs: Any, **kwargs: Any) -> Any:
         if tf.compat.v1.get_default_graph() is not graph:
-            return _PRINT(*inputs, **kwargs)
+            return previous(*inputs, **kwargs)
         printed.keep(inputs, kwargs)
         # An op, as `tf.print` returns in a graph: a step may hold it in
         # `tf.control_dependencies`.
         return tf.no_op()
 
-    previous, tf.print = tf.print, print_in_step
+    tf.print = print_in_step
     try:
         yield
     finally:
