@@ -847,7 +847,7 @@ class _StepFunction(NamedTuple):
     function: Any  # the tf.function, on (values, padded shapes)
     kind: str  # train, test or predict
     raw: tuple = ()  # `raw_variables.RawVariables.swap_in`'s pairs
-    printed: Any = None  # its trace's `step_prints.PrintedOnce`
+    printed: "step_prints.PrintedOnce | None" = None  # its trace's prints
 
     def __call__(self, batch: "_MeshBatch") -> Any:
         raw_variables.copy_in(self.raw)
