@@ -17,6 +17,4 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import flexflow_keras  # noqa: E402,F401
 
 # A long run's test files are shared between two processes (two_processes.py).
-from two_processes import (  # noqa: E402,F401
-    pytest_runtestloop, pytest_sessionfinish, pytest_terminal_summary,
-    pytest_unconfigure)
+from two_processes import *  # noqa: E402,F401,F403

@@ -30,9 +30,7 @@ def _run(folder, failing=None, processes=None, pause=0.0):
         with open(os.path.join(folder, f"test_f{i:02d}.py"), "w") as f:
             f.write(body)
     with open(os.path.join(folder, "conftest.py"), "w") as f:
-        f.write("from two_processes import (pytest_runtestloop, "
-                "pytest_sessionfinish, pytest_terminal_summary, "
-                "pytest_unconfigure)\n")
+        f.write("from two_processes import *\n")
     env = {k: v for k, v in os.environ.items()
            if k not in (two_processes.CLAIMS_ENV, two_processes.PROCESSES_ENV)}
     env["PYTHONPATH"] = os.pathsep.join(

@@ -30,6 +30,10 @@ import tempfile
 
 import pytest
 
+#: The hooks `tests/conftest.py` takes (`from two_processes import *`).
+__all__ = ["pytest_runtestloop", "pytest_sessionfinish",
+           "pytest_terminal_summary", "pytest_unconfigure"]
+
 #: Set in the second process: the folder both processes claim files in.
 CLAIMS_ENV = "FLEXFLOW_KERAS_TEST_CLAIMS"
 #: "1" keeps every run in one process.
