@@ -414,25 +414,42 @@ def _on_call_shapes(inner: Any, in_kts: list) -> Any:
 
 def _specs_on(node: Any, in_kts: list, input_shapes: tuple) -> Any:
     """The output shapes of `node`'s call on inputs of `input_shapes`
-    (all static), by the layer's `compute_output_spec`; None if it
-    fails or leaves a dim unknown."""
+    (all static), by the layer's `compute_output_spec`, else by tracing
+    its `call` on them; None if both fail or leave a dim unknown.
+
+    Why the trace: a layer's own `compute_output_shape` may leave a dim
+    unknown that its call computes (`EinsumDense("btd,de->bte",
+    output_shape=(None, 24))`, as Keras's docs write it, gives
+    `(None, None, 24)` on a `(None, 10, 16)` input); the model trained
+    as plain Keras on one device. Keras's own default for a layer
+    without `compute_output_shape` is that trace
+    (`backend.compute_output_spec(self.call, ...)`)."""
     from keras import tree
+    from keras.src import backend
     from keras.src.backend.common.keras_tensor import KerasTensor
 
     known = {
         id(kt): KerasTensor(shape, dtype=kt.dtype, sparse=kt.sparse)
         for kt, shape in zip(in_kts, input_shapes)
     }
+    operation = node.operation
     try:
         args, kwargs = node.arguments.fill_in(known)
-        specs = tree.flatten(
-            node.operation.compute_output_spec(*args, **kwargs))
     except Exception:  # noqa: BLE001 - the unknown dim is reported
         return None
-    shapes = [tuple(spec.shape) for spec in specs]
-    if any(None in shape for shape in shapes):
-        return None
-    return tuple(tuple(int(d) for d in shape) for shape in shapes)
+    ways = [operation.compute_output_spec]
+    if hasattr(operation, "call"):
+        ways.append(lambda *a, **k: backend.compute_output_spec(
+            operation.call, *a, **k))
+    for way in ways:
+        try:
+            specs = tree.flatten(way(*args, **kwargs))
+        except Exception:  # noqa: BLE001 - the unknown dim is reported
+            continue
+        shapes = [tuple(spec.shape) for spec in specs]
+        if not any(None in shape for shape in shapes):
+            return tuple(tuple(int(d) for d in shape) for shape in shapes)
+    return None
 
 
 def _call_index(node: Any) -> int:

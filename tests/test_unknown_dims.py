@@ -7,7 +7,10 @@ search needs static shapes"):
   feeds (`keras_graph._on_call_shapes`);
 - a layer of the user's reshaping to `(B, -1, d)` with `B` the dynamic
   batch (keras.io's EANet's `PatchExtract`): shaped again with the batch
-  known (`keras_graph._specs_on`).
+  known (`keras_graph._specs_on`);
+- a layer whose own `compute_output_shape` leaves a dim unknown that its
+  call computes (`EinsumDense(..., output_shape=(None, d))`, as Keras's
+  docs write it): shaped by tracing its call (`_specs_on`).
 A length only known at run time (a window drawn each step) trains as
 plain Keras with one warning, as the script would without the package;
 it crashed the script.
@@ -23,7 +26,8 @@ import tensorflow as tf
 import flexflow_keras as fk
 
 from runtime_support import (
-    assert_own_step_under_strategy, assert_same_fits, train_plain_and_ours,
+    assert_own_step_under_strategy, assert_same_fits, assert_same_runs,
+    train_plain_and_ours,
 )
 
 ROWS, BATCH, LENGTH, VOCAB = 64, 16, 6, 30
@@ -113,6 +117,26 @@ def build_window(mod):
     return model
 
 
+def build_einsum(mod):
+    """`EinsumDense` as Keras's docs write it, `output_shape=(None, d)`:
+    Keras's graph leaves the sequence dim unknown on a fixed-length
+    input. Dropout between, a second one on its output."""
+    steps = mod.Input((LENGTH, 8))
+    h = mod.layers.EinsumDense("btd,de->bte", output_shape=(None, 12),
+                               bias_axes="e", activation="relu",
+                               name="einsum")(steps)
+    h = mod.layers.Dropout(0.25, seed=3, name="drop")(h)
+    h = mod.layers.EinsumDense("bte,ef->btf", output_shape=(None, 4),
+                               name="einsum_out")(h)
+    h = mod.layers.GlobalAveragePooling1D(name="pool")(h)
+    model = mod.Model(steps, mod.layers.Dense(3, name="out")(h))
+    options = {"search_budget": 50} if mod is fk else {}
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True), **options)
+    return model
+
+
 def build_labelled(mod):
     """keras.io's captcha OCR, small: the labels are a second model input,
     `keras.Input((None,))`, that only a loss layer reads (`add_loss`),
@@ -187,6 +211,29 @@ class UnknownDimsTest(unittest.TestCase):
         assert_same_fits(self, {k: r[1] for k, r in runs.items()},
                          {k: r[0] for k, r in runs.items()})
 
+
+    def test_output_shape_its_layer_leaves_unknown_is_traced(self):
+        """It trained as plain Keras on one device: "Tensor of 'einsum'
+        has an unknown dimension"."""
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(ROWS, LENGTH, 8)).astype("float32")
+        y = rng.integers(0, 3, ROWS)
+        runs = train_plain_and_ours(
+            build_einsum, 5, lambda model: model.fit(
+                x, y, batch_size=BATCH, epochs=2, shuffle=False,
+                validation_split=0.25, verbose=0).history)
+        ours = runs["ours"][0]
+        self.assertFalse([m for m in runs["ours"][2]
+                          if "plain Keras" in m], runs["ours"][2])
+        self.assertIsNotNone(ours.strategy_executor)
+        self.assertEqual(tuple(ours.get_layer("einsum").output.shape),
+                         (None, None, 12))  # Keras's own graph
+        graph = ours.plan.graph
+        self.assertEqual(graph.op("einsum").output_shapes,
+                         ((BATCH, LENGTH, 12),))
+        self.assertEqual(graph.op("einsum_out").output_shapes,
+                         ((BATCH, LENGTH, 4),))
+        assert_same_runs(self, runs)
 
     def test_dataset_of_unknown_lengths_is_planned_on_its_first_batch(self):
         """The dataset keeps no state between iterators, so fit() reads
