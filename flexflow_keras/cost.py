@@ -465,9 +465,8 @@ def measure_op_ms(
     ins, _ = shard_shapes(op, config)
     layer_degree = partition.parameter_degree(op, config)
     with _on_first_device() as tf:
-        layer = _shard_layer(op, layer_degree)
-        forward, train = _step_functions(tf, op, layer, ins, batched=False)
         values = _random_inputs(tf, op, ins)
+        forward, train = _shard_steps(tf, op, layer_degree, ins, values)
         forward_ms = _median_ms(
             lambda: forward(*values), warmup, repeats, 3 * max_run_ms
         )
@@ -647,6 +646,67 @@ def _shard_layer(op: Op, degree: int) -> Any:
             config[key] = config[key] // degree
     config["name"] = f"{config.get('name', 'op')}_shard{degree}"
     return type(layer).from_config(config)
+
+
+# (op type, layer config (or op name), parameter degree, each input's
+# dims beyond the batch and dtype) -> (the layer traced, what backed
+# its weights then, `_step_functions` of its shard for any batch).
+_SHARD_STEPS: dict[tuple, tuple[Any, tuple, tuple[Any, Any]]] = {}
+# Each holds its layer and graphs alive: a process that plans many
+# models keeps the newest.
+_SHARD_STEPS_KEPT = 256
+
+
+def _shard_steps(
+    tf: Any, op: Op, degree: int, ins: Any, values: list
+) -> tuple[Any, Any]:
+    """`_step_functions` of `op`'s shard of parameter degree `degree`,
+    one trace for every batch size.
+
+    Why: a trace (Keras's call, its gradient, Grappler) costs more than
+    the timed runs of a small op, and a search times each op at each
+    batch degree, and again for each batch size a plan is made for:
+    keras.io-sized models spent 60% of their measuring in traces
+    (a 30-op TCN: 46 traces, 5.9 of 10.6 s, first compile 19.6 s).
+    The runs are timed on shapes as before; only the trace is shared.
+    A layer whose call needs its batch as a number is traced on the
+    batch it runs (the first run below fails on an unknown one).
+    Keyed as the disk cache keys what it measures (`cache_key`: the
+    layer's type and config, the shard's shapes) less the batch, so
+    layers alike share one trace, as they share one measurement (a
+    TCN's sixteen `Conv1D(16, 1)`); a layer without a config by its
+    op's name, checked against its layer (a name reused by another
+    model). A trace is used while the variables it captured still
+    back its layer's weights (`_backing`): one of weights since
+    replaced would time variables the layer no longer holds."""
+    signature = _signature(op, degree)
+    key = (op.type, json.dumps(signature, sort_keys=True, default=str)
+           if signature is not None else ("op", op.name), degree,
+           tuple((tuple(shape[1:]), dtype)
+                 for _, shape, dtype in _unique_inputs(op, ins)))
+    found = _SHARD_STEPS.get(key)
+    if found is not None:
+        layer, backing, steps = found
+        if (signature is not None or layer is op.layer) \
+                and _backing(layer) == backing:
+            return steps
+    layer = _shard_layer(op, degree)
+    steps = _step_functions(tf, op, layer, ins, batched=True)
+    try:
+        steps[0](*values).numpy()
+    except Exception:  # noqa: BLE001 - traced on its own batch below
+        return _step_functions(tf, op, layer, ins, batched=False)
+    if len(_SHARD_STEPS) >= _SHARD_STEPS_KEPT:  # the oldest goes
+        del _SHARD_STEPS[next(iter(_SHARD_STEPS))]
+    _SHARD_STEPS[key] = (layer, _backing(layer), steps)
+    return steps
+
+
+def _backing(layer: Any) -> tuple:
+    """What holds each of `layer`'s weights now (a Keras variable's
+    backend variable)."""
+    return tuple(id(getattr(w, "_value", w))
+                 for w in getattr(layer, "weights", ()))
 
 
 def _step_functions(

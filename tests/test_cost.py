@@ -131,6 +131,53 @@ class MeasuredTest(unittest.TestCase):
                              1, 3)
         self.assertEqual(len(cost_module._EMPTY_STEPS), before)
 
+    def test_shards_alike_but_for_the_batch_share_one_trace(self):
+        """Each batch degree of a layer, and a layer of the same config
+        and shard shapes, is timed on its own shapes by one trace; a
+        layer whose call needs its batch as a number is traced on it."""
+        import keras
+        import tensorflow as tf
+
+        def counted(name, batch, layer=None):
+            x = keras.Input((6,), name="x")
+            y = (layer or keras.layers.Dense(5, name=name))(x)
+            return build_graph(keras.Model(x, y), batch).op(name)
+
+        traces = []
+        real = cost_module._step_functions
+
+        def spy(*args, **kwargs):
+            traces.append(kwargs.get("batched"))
+            return real(*args, **kwargs)
+
+        with mock.patch.object(cost_module, "_step_functions", spy):
+            for batch in (8, 16):
+                op = counted("shared_trace_a", batch)
+                for degree in (1, 2):
+                    forward, backward = cost_module.measure_op_ms(
+                        op, ParallelConfig((degree, 1), tuple(
+                            range(degree))), 1, 2)
+                    self.assertGreaterEqual(forward, 0.0)
+            alike = counted("shared_trace_b", 8)
+            cost_module.measure_op_ms(alike, ParallelConfig((1, 1), (0,)),
+                                      1, 2)
+        self.assertEqual(traces, [True])
+
+        class FixedBatch(keras.layers.Layer):
+            def call(self, x):  # the batch as a number: no unknown one
+                return tf.reshape(x, (int(x.shape[0]), 6)) * 2.0
+
+            def compute_output_shape(self, shape):
+                return shape
+
+        traces.clear()
+        with mock.patch.object(cost_module, "_step_functions", spy):
+            op = counted("fixed_batch", 8, FixedBatch(name="fixed_batch"))
+            forward, _ = cost_module.measure_op_ms(
+                op, ParallelConfig((1, 1), (0,)), 1, 2)
+        self.assertEqual(traces, [True, False])
+        self.assertGreaterEqual(forward, 0.0)
+
     def test_measured_shard_is_floored_at_the_roofline(self):
         op = dense_op(batch=8, features=4, units=4)
         config = ParallelConfig((2, 1), (0, 1))
