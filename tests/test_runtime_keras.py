@@ -291,6 +291,24 @@ class RuntimeKerasTest(unittest.TestCase):
         self.assert_histories_equal(model.fit(x, y, **FIT),
                                     ref.fit(x, y, **FIT))
 
+    def test_no_batches_log_the_validation_alone(self):
+        """A fit on no rows (a keras_tuner guide's `x[:-10000]` of a
+        small data set) logs only its validation, and an evaluate on no
+        rows nothing, as Keras does; both raised "Cannot get result()
+        since the metric has not yet been built". With one mesh and with
+        several (the two executors)."""
+        x, y = support.MODELS["mlp"][1](16)
+        none = dict(epochs=2, verbose=0, validation_data=(x, y))
+        for strategy in (support.data_parallel, support.several_meshes):
+            with self.subTest(strategy=strategy.__name__):
+                ref, model = pair(strategy=strategy)
+                self.assert_histories_equal(model.fit(x[:0], y[:0], **none),
+                                            ref.fit(x[:0], y[:0], **none))
+                self.assertEqual(
+                    model.evaluate(x[:0], y[:0], verbose=0,
+                                   return_dict=True),
+                    ref.evaluate(x[:0], y[:0], verbose=0, return_dict=True))
+
     def test_strategy_for_more_devices_than_attached_is_refused(self):
         from flexflow_keras.strategy import ParallelConfig, Strategy
 

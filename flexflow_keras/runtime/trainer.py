@@ -298,8 +298,32 @@ class StrategyTrainer:
         if sync is not None and tf_executing_eagerly():
             with fresh_state.quiet():  # only the metric state comes out
                 sync()
-                return super().get_metrics_result()
-        return super().get_metrics_result()
+                return self._results_of_built_metrics()
+        return self._results_of_built_metrics()
+
+    def _results_of_built_metrics(self):
+        """Keras's `get_metrics_result`, without compiled metrics that no
+        step has built yet.
+
+        Why: Keras builds them when it traces its train function, which
+        it does even on data of no batches (its iterator's spec); the
+        runtime builds them at a step's first run. On no batches (a
+        keras_tuner guide's split of a small data set, `x[:-10000]`)
+        Keras's fit logs the validation alone, and ours raised "Cannot
+        get result() since the metric has not yet been built"."""
+        compiled = getattr(self, "_compile_metrics", None)
+        if compiled is None or compiled.built:
+            return super().get_metrics_result()
+        results = {}
+        for metric in self.metrics:
+            if metric is compiled:
+                continue
+            result = metric.result()
+            if isinstance(result, dict):
+                results.update(result)
+            else:
+                results[metric.name] = result
+        return results
 
 
 def _after_sync(name: str, sync: str) -> Any:
