@@ -67,6 +67,15 @@ def data():
     return {"source": source, "target": target}, np.roll(target, -1, 1)
 
 
+def compiled_classifier(mod, model):
+    """`model` compiled on logits of integer classes (searched briefly)."""
+    options = {"search_budget": 50} if mod is fk else {}
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True), **options)
+    return model
+
+
 def build_patches(mod):
     """keras.io EANet's `PatchExtract` (its output (None, None, 12) in
     Keras's graph), a Dense on the patches, a classifier."""
@@ -87,11 +96,7 @@ def build_patches(mod):
     h = mod.layers.Dense(8, activation="relu", name="embed")(h)
     h = mod.layers.GlobalAveragePooling1D(name="pool")(h)
     model = mod.Model(images, mod.layers.Dense(4, name="out")(h))
-    options = {"search_budget": 50} if mod is fk else {}
-    model.compile(optimizer="adam",
-                  loss=keras.losses.SparseCategoricalCrossentropy(
-                      from_logits=True), **options)
-    return model
+    return compiled_classifier(mod, model)
 
 
 def build_window(mod):
@@ -130,11 +135,7 @@ def build_einsum(mod):
                                name="einsum_out")(h)
     h = mod.layers.GlobalAveragePooling1D(name="pool")(h)
     model = mod.Model(steps, mod.layers.Dense(3, name="out")(h))
-    options = {"search_budget": 50} if mod is fk else {}
-    model.compile(optimizer="adam",
-                  loss=keras.losses.SparseCategoricalCrossentropy(
-                      from_logits=True), **options)
-    return model
+    return compiled_classifier(mod, model)
 
 
 def build_labelled(mod):
