@@ -150,7 +150,9 @@ class MeasuredTest(unittest.TestCase):
             traces.append(kwargs.get("batched"))
             return real(*args, **kwargs)
 
-        with mock.patch.object(cost_module, "_step_functions", spy):
+        # Traces kept by earlier tests would answer before a trace here.
+        with mock.patch.object(cost_module, "_step_functions", spy), \
+                mock.patch.dict(cost_module._SHARD_STEPS, clear=True):
             for batch in (8, 16):
                 op = counted("shared_trace_a", batch)
                 for degree in (1, 2):
@@ -171,7 +173,8 @@ class MeasuredTest(unittest.TestCase):
                 return shape
 
         traces.clear()
-        with mock.patch.object(cost_module, "_step_functions", spy):
+        with mock.patch.object(cost_module, "_step_functions", spy), \
+                mock.patch.dict(cost_module._SHARD_STEPS, clear=True):
             op = counted("fixed_batch", 8, FixedBatch(name="fixed_batch"))
             forward, _ = cost_module.measure_op_ms(
                 op, ParallelConfig((1, 1), (0,)), 1, 2)
