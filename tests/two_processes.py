@@ -16,8 +16,9 @@ prints the second's summary under its own and fails the run if the second
 failed. Nothing is needed beyond pytest.
 
 When: only for a run of at least `MIN_FILES` files on a machine of two or
-more cores. A run of one file, `--pdb`, `-x`/`--maxfail`, `--collect-only`
-and `FLEXFLOW_KERAS_TEST_PROCESSES=1` run in one process as usual.
+more cores. A run of one file, `--pdb`, `-x`/`--maxfail`, `--collect-only`,
+a run with collection errors and `FLEXFLOW_KERAS_TEST_PROCESSES=1` run in
+one process as usual.
 """
 
 import atexit
@@ -39,6 +40,9 @@ CLAIMS_ENV = "FLEXFLOW_KERAS_TEST_CLAIMS"
 #: "1" keeps every run in one process.
 PROCESSES_ENV = "FLEXFLOW_KERAS_TEST_PROCESSES"
 MIN_FILES = 8
+
+#: The second process's exit codes that leave the run passing.
+PASSED = (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
 
 _second = {}  # the first process's handle on the second: process, log, claims
 
@@ -117,8 +121,7 @@ def pytest_sessionfinish(session, exitstatus):
         return
     code = process.wait()
     _second["code"] = code
-    if code not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED) \
-            and session.exitstatus == pytest.ExitCode.OK:
+    if code not in PASSED and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = code
 
 
@@ -134,7 +137,7 @@ def pytest_terminal_summary(terminalreporter):
     progress = [i for i, line in enumerate(lines)
                 if re.search(r"\[\s*\d+%\]$", line)]
     after = progress[-1] + 1 if progress else 0
-    failed = _second.get("code") not in (0, 5)
+    failed = _second.get("code") not in PASSED
     report = lines if failed else lines[after:]
     summary = next((line.strip("= ") for line in reversed(lines)
                     if re.match(r"=+ .* in [\d.]+s", line)), "no summary")
