@@ -17,6 +17,7 @@ import keras
 
 __all__ = [
     "cnn",
+    "without_weight_values",
     "dlrm",
     "lstm_model",
     "mlp",
@@ -25,6 +26,33 @@ __all__ = [
     "transformer_block",
     "two_input_concat",
 ]
+
+
+@contextlib.contextmanager
+def without_weight_values():
+    """Build models whose variables have path, shape and dtype but no
+    value: enough for `build_graph` and the search on full-size models.
+
+    Inside a Keras `StatelessScope(initialize_variables=False)` a new
+    variable is deferred and put on Keras's process-wide list of
+    uninitialized variables, and the next outermost `StatelessScope` to
+    close anywhere in the process initializes the whole list, whatever
+    runs there: a later test's probe then allocated the bench's
+    20000 x 1024 embedding inside a DTensor function and failed ("Mul got
+    a regular tensor ... expecting a DTensor"). So the variables made
+    here leave that list on exit: they are never given values (reading
+    one gives a fresh initializer draw, as Keras does for a deferred
+    variable), and a test that needs values builds without this."""
+    from keras.src.backend.common import global_state
+    from keras.src.backend.common.stateless_scope import StatelessScope
+
+    key = "uninitialized_variables"
+    before = list(global_state.get_global_attribute(key, []) or [])
+    try:
+        with StatelessScope(initialize_variables=False):
+            yield
+    finally:
+        global_state.set_global_attribute(key, before)
 
 
 def mlp(
@@ -215,11 +243,10 @@ def dlrm(
 
     Keras creates every variable when a layer is first called, so a model
     built normally allocates its tables (8 x 1e6 x 64 float32 = 2 GB).
-    With `defer_weights=True` the model is built in a Keras
-    `StatelessScope(initialize_variables=False)`: variables have their
-    path, shape and dtype but no value, enough for `build_graph` and the
-    search. Keras initializes them when first read (e.g. training);
-    do not pass it where a test needs the values.
+    With `defer_weights=True` the model is built in
+    `without_weight_values()`: variables have their path, shape and
+    dtype but no value, enough for `build_graph` and the search; do not
+    pass it where a test needs the values.
 
     Args:
         num_tables: Embedding tables (one sparse input each).
@@ -232,9 +259,7 @@ def dlrm(
     """
     scope = contextlib.nullcontext()
     if defer_weights:
-        from keras.src.backend.common.stateless_scope import StatelessScope
-
-        scope = StatelessScope(initialize_variables=False)
+        scope = without_weight_values()
     with scope:
         dense = keras.Input(shape=(dense_features,), name="dense")
         x = dense

@@ -35,9 +35,6 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import flexflow_keras  # noqa: E402,F401  (device setup first)
 import keras  # noqa: E402
 import model_zoo  # noqa: E402
-from keras.src.backend.common.stateless_scope import (  # noqa: E402
-    StatelessScope,
-)
 
 from search_bench import CASES  # noqa: E402
 from flexflow_keras import planner, runtime  # noqa: E402
@@ -69,7 +66,7 @@ def _with_l2(model: keras.Model) -> keras.Model:
 
 def _variants(example: str) -> dict[str, keras.Model]:
     keras.backend.clear_session()
-    with StatelessScope(initialize_variables=False):
+    with model_zoo.without_weight_values():
         plain = model_zoo.load_example(example).build_model(small=False)
         plain = keras.Model(plain.inputs, plain.outputs, name=plain.name)
         l2 = _with_l2(plain)

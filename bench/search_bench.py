@@ -48,9 +48,6 @@ sys.path.insert(0, ROOT)
 import flexflow_keras  # noqa: E402,F401  (device setup first)
 import keras  # noqa: E402
 import model_zoo  # noqa: E402  (load_example)
-from keras.src.backend.common.stateless_scope import (  # noqa: E402
-    StatelessScope,
-)
 
 from flexflow_keras import experts  # noqa: E402
 from flexflow_keras import machine as machine_lib  # noqa: E402
@@ -89,7 +86,7 @@ def case_graph(name):
     strategy names ops as a script building only that model does."""
     example, _, batch = CASES[name]
     keras.backend.clear_session()
-    with StatelessScope(initialize_variables=False):
+    with model_zoo.without_weight_values():
         model = model_zoo.load_example(example).build_model(small=False)
     return build_graph(model, batch)
 

@@ -218,6 +218,11 @@ class EmbeddingGraphTest(GraphAssertions):
         self.assertEqual(graph.weight_bytes, (tables + mlps) * 4)
         table = model.get_layer("embedding_0").embeddings
         self.assertIsNone(table._value)  # never allocated
+        # Nor by the next stateless scope anything in the process closes
+        # (Keras initializes every deferred variable there).
+        with keras.StatelessScope():
+            pass
+        self.assertIsNone(table._value)
 
 class CustomLayer(keras.layers.Layer):
     """A layer op_specs has no rule for."""
