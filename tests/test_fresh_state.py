@@ -233,3 +233,48 @@ class FreshStateTest(unittest.TestCase):
             finals.append(model.get_weights())
         for expected, got in zip(*finals):
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+
+
+class SwappedAveragesTest(unittest.TestCase):
+    """`SwapEMAWeights` writes the weights' and the averages' tf.Variables
+    directly (not through `assign`): validation, evaluate and predict run
+    on the averages, training on the trained weights, as in Keras."""
+
+    def run_both(self, **compile_kw):
+        x, y = _data()
+        xv, yv = x[:16] + 0.5, y[:16]
+        results = []
+        for mod in (keras, fk):
+            keras.utils.set_random_seed(3)
+            inputs = mod.Input((8,), name="x")
+            h = mod.layers.Dense(16, activation="relu", name="hidden")(inputs)
+            h = mod.layers.Dropout(0.25, seed=2)(h)
+            model = mod.Model(inputs, mod.layers.Dense(4, name="out")(h))
+            model.compile(optimizer=keras.optimizers.Adam(
+                0.01, use_ema=True, ema_momentum=0.9), loss="mse",
+                **(compile_kw if mod is fk else {}))
+            history = model.fit(
+                x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+                validation_data=(xv, yv),
+                callbacks=[keras.callbacks.SwapEMAWeights(
+                    swap_on_epoch=True)]).history
+            results.append((model, [
+                history, model.evaluate(xv, yv, verbose=0),
+                model.predict(xv, verbose=0)]))
+        (plain, expected), (ours, got) = results
+        for key, values in expected[0].items():
+            np.testing.assert_allclose(got[0][key], values, rtol=1e-5,
+                                       err_msg=key)
+        np.testing.assert_allclose(got[1], expected[1], rtol=1e-5)
+        np.testing.assert_allclose(got[2], expected[2], rtol=1e-5,
+                                   atol=1e-6)
+        for a, b in zip(plain.get_weights(), ours.get_weights()):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+        return ours
+
+    def test_averages_are_validated_and_trained_apart(self):
+        # `use_ema` runs Keras's own apply: the model's own step, under a
+        # strategy from the one-mesh space.
+        ours = self.run_both(search_budget=50)
+        self.assertIsInstance(ours.strategy_executor,
+                              model_step.ModelStepExecutor)
