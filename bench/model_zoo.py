@@ -17,7 +17,6 @@ import keras
 
 __all__ = [
     "cnn",
-    "without_weight_values",
     "dlrm",
     "lstm_model",
     "mlp",
@@ -25,6 +24,7 @@ __all__ = [
     "shared_layer",
     "transformer_block",
     "two_input_concat",
+    "without_weight_values",
 ]
 
 

@@ -171,6 +171,7 @@ Variable.assign = _assign
 
 
 def _averaged_and_trained(optimizer: Any) -> list[Any]:
+    """An EMA optimizer's weights and their averages (a swap writes both)."""
     return [*optimizer._trainable_variables,
             *optimizer._model_variables_moving_average]
 
