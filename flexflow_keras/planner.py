@@ -72,14 +72,16 @@ def make_plan(
 
     `verbose` (None: `settings.search_verbose`): 0 silent, 1 a Keras
     progress bar (unless `print_fn` is given) and the chosen strategy, 2
-    FlexFlow's lines instead of the bar.
+    FlexFlow's lines instead of the bar; an imported strategy is printed
+    at 1 and 2 with its file and simulated step time
+    (`report.imported_report`).
 
     `slots` overrides the optimizer's state per weight (the command
     line's `--optimizer-slots`); `print_fn` is where the search's lines
     go (`print` when None).
     """
     from flexflow_keras import machine as machine_lib
-    from flexflow_keras import search, search_space, simulator
+    from flexflow_keras import report, search, search_space, simulator
 
     if verbose is None:
         verbose = settings.search_verbose
@@ -171,6 +173,17 @@ def make_plan(
         plan = Plan(graph, result.strategy, "search", result, machine)
     if plan.source != "import":
         plan = _one_device_if_nothing_fits(model, plan, sim, machine)
+    elif verbose:
+        # Nothing was searched, so nothing else says what it trains under.
+        baseline = (
+            Strategy.data_parallel(graph, num_devices) if parts is None
+            else search_space.one_mesh_data_parallel(graph, parts)
+        )
+        (print_fn or print)(report.imported_report(
+            settings.import_strategy, plan.strategy,
+            sim.simulate(plan.strategy).step_ms,
+            sim.simulate(baseline).step_ms,
+        ))
     return dataclasses.replace(
         _exported(plan, settings),
         step_ms=sim.simulate(plan.strategy).step_ms,

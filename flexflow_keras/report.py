@@ -52,6 +52,32 @@ def search_report(result: Any) -> str:
     return "\n".join(lines)
 
 
+def imported_report(
+    path: str, strategy: Strategy, step_ms: float, data_parallel_ms: float
+) -> str:
+    """What a plan from `--import-strategy` says in place of the search's
+    report (it searched nothing): the strategy, where it came from, and
+    its simulated step time against data parallelism's."""
+    if math.isinf(step_ms):
+        summary = ("Its simulated step does not fit in device memory; it "
+                   "is used as imported.")
+    elif math.isinf(data_parallel_ms):
+        summary = (f"Simulated step time: {step_ms:.3f} ms; data "
+                   "parallelism does not fit in device memory.")
+    else:
+        summary = (
+            f"Simulated step time: {step_ms:.3f} ms (data parallelism: "
+            f"{data_parallel_ms:.3f} ms); simulated speed-up over data "
+            f"parallelism: {data_parallel_ms / step_ms:.2f}x."
+        )
+    return "\n".join([
+        "=========== Imported Strategy ==========",
+        strategy.to_text().rstrip("\n"),
+        "========================================",
+        f"Strategy imported from {path} (no search). {summary}",
+    ])
+
+
 def strategy_table(
     graph: OpGraph,
     strategy: Strategy,

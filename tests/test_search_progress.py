@@ -4,6 +4,8 @@ the bar counts both phases of the one-mesh search."""
 
 import contextlib
 import io
+import os
+import tempfile
 import unittest
 
 import keras
@@ -13,6 +15,7 @@ from flexflow_keras import planner, search, settings
 from flexflow_keras.mesh_space import MeshSpec
 from flexflow_keras.settings import Settings
 from flexflow_keras.simulator import Simulator
+from flexflow_keras.strategy_files import save_strategy
 from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.machine import load_machine
 
@@ -22,12 +25,13 @@ def _mlp():
     return model_zoo.mlp()
 
 
-def _planned_output(verbose):
+def _planned_output(verbose, **options):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         plan = planner.make_plan(
             _mlp(), 64, Settings(search_budget=300, search_seed=0,
-                                 machine="v100x4", search_verbose=verbose),
+                                 machine="v100x4", search_verbose=verbose,
+                                 **options),
         )
     return plan, out.getvalue()
 
@@ -83,6 +87,22 @@ class SearchProgressTest(unittest.TestCase):
     def test_verbose_0_is_silent(self):
         _, text = _planned_output(0)
         self.assertEqual(text, "")
+
+    def test_an_imported_strategy_says_where_it_came_from(self):
+        searched, _ = _planned_output(0)
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "mlp.txt")
+            save_strategy(searched.strategy, path)
+            plan, text = _planned_output(1, import_strategy=path)
+            _, quiet = _planned_output(0, import_strategy=path)
+        self.assertEqual(plan.source, "import")
+        self.assertEqual(plan.strategy, searched.strategy)
+        self.assertIn(searched.strategy.to_text().rstrip("\n"), text)
+        self.assertIn(f"Strategy imported from {path} (no search). "
+                      f"Simulated step time: {plan.step_ms:.3f} ms", text)
+        self.assertIn("simulated speed-up over data parallelism", text)
+        self.assertNotIn("Best Discovered Strategy", text)
+        self.assertEqual(quiet, "")
 
     def test_setting(self):
         self.assertEqual(Settings().search_verbose, 1)
