@@ -57,8 +57,9 @@ from flexflow_keras.runtime.layouts import OpPlan, replicated
 from flexflow_keras.runtime.support import overrides_step
 from flexflow_keras.runtime.tracing import step_function
 from flexflow_keras.runtime.variables import (
-    Transfers, argument_constants, attributes_set, captures_on_mesh, gather,
-    layer_constants, padded, replicate, to_layout, unpadded,
+    Transfers, argument_constants, attributes_set, captures_on_mesh,
+    densified, gather, layer_constants, padded, replicate, to_layout,
+    unpadded,
 )
 
 
@@ -658,6 +659,7 @@ class ModelStepExecutor:
         def copy(value):
             if isinstance(value, np.ndarray):
                 value = tf.convert_to_tensor(value)
+            value = densified(value)
             if not isinstance(value, tf.Tensor) or value.dtype == tf.string:
                 shapes.append(None)
                 return value

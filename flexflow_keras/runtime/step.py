@@ -44,7 +44,7 @@ from flexflow_keras.runtime.layouts import replicated, segments
 from flexflow_keras.runtime.optimizers import Updater
 from flexflow_keras.runtime.variables import (
     SMALL_INPUT_ELEMENTS, VariableStore, argument_constants, attributes_set,
-    layer_constants, layer_variables, replicate,
+    densified, layer_constants, layer_variables, replicate,
 )
 
 
@@ -487,7 +487,7 @@ class Executor:
     def _flat_inputs(self, x) -> list:
         function = function_of(self.model)
         flat = function._standardize_inputs(x)
-        return [tf.convert_to_tensor(v) for v in flat]
+        return [tf.convert_to_tensor(densified(v)) for v in flat]
 
     def _forward_all(self, flat_x, training, variant):
         """Runs every segment forward; returns boundary values and inputs.

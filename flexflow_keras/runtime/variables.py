@@ -38,6 +38,20 @@ def gather(value: Any) -> tf.Tensor:
     return dtensor.unpack(value)[0]
 
 
+def densified(value: Any) -> Any:
+    """A batch's `tf.SparseTensor` (rows for an `Input(sparse=True)`) as
+    its dense tensor; any other value as it is.
+
+    DTensor takes dense tensors only: fed sparse rows, the first step
+    failed ("got a regular tensor for input 0 (shape [85,2])", the
+    indices) and the model trained as plain Keras. Keras's layers compute
+    on the dense rows what they compute on the sparse ones (`Dense`'s
+    sparse matmul sums the same products), at the dense rows' memory."""
+    if isinstance(value, tf.SparseTensor):
+        return tf.sparse.to_dense(value)
+    return value
+
+
 def replicate(value: Any, mesh: Any) -> Any:
     """A regular tensor as a replicated DTensor on `mesh` (eager).
 
