@@ -297,6 +297,16 @@ def assert_same_runs(test, runs, **tolerances):
                      **tolerances)
 
 
+def assert_same_fit_evaluate_predict(test, runs):
+    """`train_plain_and_ours`'s runs whose `train` returned `[history
+    dict, evaluate(), predict()]`: all three and the weights equal."""
+    (_, expected, _), (_, got, _) = runs["plain"], runs["ours"]
+    assert_same_runs(test, {name: (run[0], run[1][0])
+                            for name, run in runs.items()})
+    np.testing.assert_allclose(got[1], expected[1], rtol=1e-5)
+    np.testing.assert_allclose(got[2], expected[2], rtol=1e-5, atol=1e-6)
+
+
 def fresh_caches(test):
     """Nothing measured for the rest of `test`, as on a new user's
     machine: the op-cost, live-machine and probe caches point at an

@@ -17,6 +17,8 @@ import flexflow_keras as fk
 from flexflow_keras.runtime import model_step, step
 from flexflow_keras.runtime.variables import Transfers
 from flexflow_keras.strategy import ParallelConfig, Strategy
+from runtime_support import assert_same_fit_evaluate_predict, \
+    train_plain_and_ours
 
 SAMPLES, BATCH, EPOCHS = 64, 16, 2
 
@@ -243,9 +245,8 @@ class SwappedAveragesTest(unittest.TestCase):
     def run_both(self, **compile_kw):
         x, y = _data()
         xv, yv = x[:16] + 0.5, y[:16]
-        results = []
-        for mod in (keras, fk):
-            keras.utils.set_random_seed(3)
+
+        def build(mod):
             inputs = mod.Input((8,), name="x")
             h = mod.layers.Dense(16, activation="relu", name="hidden")(inputs)
             h = mod.layers.Dropout(0.25, seed=2)(h)
@@ -253,24 +254,20 @@ class SwappedAveragesTest(unittest.TestCase):
             model.compile(optimizer=keras.optimizers.Adam(
                 0.01, use_ema=True, ema_momentum=0.9), loss="mse",
                 **(compile_kw if mod is fk else {}))
+            return model
+
+        def train(model):
             history = model.fit(
                 x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
                 validation_data=(xv, yv),
                 callbacks=[keras.callbacks.SwapEMAWeights(
                     swap_on_epoch=True)]).history
-            results.append((model, [
-                history, model.evaluate(xv, yv, verbose=0),
-                model.predict(xv, verbose=0)]))
-        (plain, expected), (ours, got) = results
-        for key, values in expected[0].items():
-            np.testing.assert_allclose(got[0][key], values, rtol=1e-5,
-                                       err_msg=key)
-        np.testing.assert_allclose(got[1], expected[1], rtol=1e-5)
-        np.testing.assert_allclose(got[2], expected[2], rtol=1e-5,
-                                   atol=1e-6)
-        for a, b in zip(plain.get_weights(), ours.get_weights()):
-            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
-        return ours
+            return [history, model.evaluate(xv, yv, verbose=0),
+                    model.predict(xv, verbose=0)]
+
+        runs = train_plain_and_ours(build, 3, train)
+        assert_same_fit_evaluate_predict(self, runs)
+        return runs["ours"][0]
 
     def test_averages_are_validated_and_trained_apart(self):
         # `use_ema` runs Keras's own apply: the model's own step, under a

@@ -11,7 +11,6 @@ import os
 import tempfile
 import unittest
 
-import keras
 import numpy as np
 import tensorflow as tf
 
@@ -19,6 +18,8 @@ import flexflow_keras as fk
 from flexflow_keras.runtime import model_step, step
 from flexflow_keras.strategy import ParallelConfig, Strategy
 from flexflow_keras.strategy_files import save_strategy
+from runtime_support import assert_same_fit_evaluate_predict, \
+    train_plain_and_ours
 
 ROWS, WORDS, FEATURES = 96, 40, 5
 
@@ -53,31 +54,27 @@ def _build(mod):
 class SparseInputsTest(unittest.TestCase):
     def run_both(self, **compile_kw):
         bag, side, labels = _data()
-        train = _dataset(bag[:64], side[:64], labels[:64])
+        train_rows = _dataset(bag[:64], side[:64], labels[:64])
         valid = _dataset(bag[64:], side[64:], labels[64:])
-        results = []
-        for mod in (keras, fk):
-            keras.utils.set_random_seed(3)
+
+        def build(mod):
             model = _build(mod)
             model.compile(optimizer="adam",
                           loss="sparse_categorical_crossentropy",
                           metrics=["accuracy"],
                           **(compile_kw if mod is fk else {}))
-            history = model.fit(train, epochs=2, validation_data=valid,
+            return model
+
+        def train(model):
+            history = model.fit(train_rows, epochs=2, validation_data=valid,
                                 verbose=0).history
-            results.append((model, [history,
-                                    model.evaluate(valid, verbose=0),
-                                    model.predict(valid, verbose=0)]))
-        (plain, expected), (ours, got) = results
-        for key, values in expected[0].items():
-            np.testing.assert_allclose(got[0][key], values, rtol=1e-5,
-                                       err_msg=key)
-        np.testing.assert_allclose(got[1], expected[1], rtol=1e-5)
-        np.testing.assert_allclose(got[2], expected[2], rtol=1e-5,
-                                   atol=1e-6)
-        for a, b in zip(plain.get_weights(), ours.get_weights()):
-            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
-        return ours
+            return [history, model.evaluate(valid, verbose=0),
+                    model.predict(valid, verbose=0)]
+
+        runs = train_plain_and_ours(build, 3, train)
+        self.assertFalse([m for m in runs["ours"][2] if "plain Keras" in m])
+        assert_same_fit_evaluate_predict(self, runs)
+        return runs["ours"][0]
 
     def test_one_mesh(self):
         ours = self.run_both(search_budget=100)
