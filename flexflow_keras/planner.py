@@ -173,20 +173,20 @@ def make_plan(
         plan = Plan(graph, result.strategy, "search", result, machine)
     if plan.source != "import":
         plan = _one_device_if_nothing_fits(model, plan, sim, machine)
-    elif verbose:
+    step_ms = sim.simulate(plan.strategy).step_ms
+    if plan.source == "import" and verbose:
         # Nothing was searched, so nothing else says what it trains under.
         baseline = (
             Strategy.data_parallel(graph, num_devices) if parts is None
             else search_space.one_mesh_data_parallel(graph, parts)
         )
         (print_fn or print)(report.imported_report(
-            settings.import_strategy, plan.strategy,
-            sim.simulate(plan.strategy).step_ms,
+            settings.import_strategy, plan.strategy, step_ms,
             sim.simulate(baseline).step_ms,
         ))
     return dataclasses.replace(
         _exported(plan, settings),
-        step_ms=sim.simulate(plan.strategy).step_ms,
+        step_ms=step_ms,
         per_op_ms=per_op_ms(graph, plan.strategy, sim.cost),
     )
 
