@@ -22,18 +22,10 @@ def search_report(result: Any) -> str:
             "included): use more devices, a smaller batch or a larger "
             "search budget."
         )
-    elif math.isinf(result.data_parallel_ms):
-        summary = (
-            f"Best simulated step time: {result.best_ms:.3f} ms; data "
-            "parallelism does not fit in device memory."
-        )
     else:
-        summary = (
-            f"Best simulated step time: {result.best_ms:.3f} ms "
-            f"(data parallelism: {result.data_parallel_ms:.3f} ms); "
-            f"simulated speed-up over data parallelism: "
-            f"{result.speedup:.2f}x"
-        )
+        summary = _against_data_parallel(
+            "Best simulated step time", result.best_ms,
+            result.data_parallel_ms)
     lines = [
         "=========== Best Discovered Strategy ==========",
         result.strategy.to_text().rstrip("\n"),
@@ -52,6 +44,19 @@ def search_report(result: Any) -> str:
     return "\n".join(lines)
 
 
+def _against_data_parallel(label: str, ms: float,
+                           data_parallel_ms: float) -> str:
+    """`label`'s simulated step time `ms` (finite) against data
+    parallelism's, as the search's and the import's reports say it."""
+    if math.isinf(data_parallel_ms):
+        return (f"{label}: {ms:.3f} ms; data parallelism does not fit in "
+                "device memory.")
+    speedup = data_parallel_ms / ms if ms > 0 else float("nan")
+    return (f"{label}: {ms:.3f} ms (data parallelism: "
+            f"{data_parallel_ms:.3f} ms); simulated speed-up over data "
+            f"parallelism: {speedup:.2f}x")
+
+
 def imported_report(
     path: str, strategy: Strategy, step_ms: float, data_parallel_ms: float
 ) -> str:
@@ -61,15 +66,10 @@ def imported_report(
     if math.isinf(step_ms):
         summary = ("Its simulated step does not fit in device memory; it "
                    "is used as imported.")
-    elif math.isinf(data_parallel_ms):
-        summary = (f"Simulated step time: {step_ms:.3f} ms; data "
-                   "parallelism does not fit in device memory.")
     else:
-        summary = (
-            f"Simulated step time: {step_ms:.3f} ms (data parallelism: "
-            f"{data_parallel_ms:.3f} ms); simulated speed-up over data "
-            f"parallelism: {data_parallel_ms / step_ms:.2f}x."
-        )
+        summary = _against_data_parallel(
+            "Simulated step time", step_ms, data_parallel_ms)
+        summary = summary.rstrip(".") + "."
     return "\n".join([
         "=========== Imported Strategy ==========",
         strategy.to_text().rstrip("\n"),
