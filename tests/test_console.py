@@ -60,6 +60,37 @@ SMALL_LABELS = SCRIPT.replace(
 ).replace("random((64, 2), dtype=np.float32)",
           "random((64,), dtype=np.float32)")
 
+# Raw strings in, a `TextVectorization` in the model (run on the host):
+# the batch's 16 strings went in as they were, a small constant to
+# DTensor, and every function was expanded again at its second call;
+# with a Bidirectional LSTM the test step's second expansion then failed
+# on its loops' names and fit crashed (TensorFlow's "text classification
+# with an RNN" tutorial).
+STRINGS = """
+import numpy as np
+import tensorflow as tf
+import flexflow_keras as keras
+
+words = np.array(["good", "bad", "plot", "actor", "fun", "the", "was"])
+rng = np.random.default_rng(0)
+texts = [" ".join(rng.choice(words, rng.integers(2, 9))) for _ in range(64)]
+labels = np.array([("good" in t) * 1.0 for t in texts], np.float32)
+encoder = keras.layers.TextVectorization(max_tokens=12,
+                                         output_sequence_length=8)
+encoder.adapt(texts)
+model = keras.Sequential([
+    keras.Input((), dtype="string"), encoder,
+    keras.layers.Embedding(12, 8),
+    keras.layers.GlobalAveragePooling1D(),
+    keras.layers.Dense(1),
+])
+model.compile(optimizer="adam", loss="mse", search_budget=20)
+data = tf.data.Dataset.from_tensor_slices((texts, labels)).batch(16)
+model.fit(data, epochs=5, validation_data=data.take(2), verbose=0)
+print("devices used:", len({d for c in model.strategy.values()
+                            for d in c.device_ids}))
+"""
+
 
 def _run(script=SCRIPT, **env):
     environ = {k: v for k, v in os.environ.items()
@@ -87,11 +118,12 @@ class ConsoleTest(unittest.TestCase):
         # DTensor re-expanded a function once when a small input's value
         # changed (the optimizer's iteration count copied in at the
         # second epoch: `variables.padded`; a batch's 16 labels at the
-        # second batch: `model_step._on_mesh`; the several-mesh
-        # backward's learning rate and step at the second step:
-        # `step.Executor._hyper`).
+        # second batch, or its 16 raw strings: `model_step._on_mesh`;
+        # the several-mesh backward's learning rate and step at the
+        # second step: `step.Executor._hyper`).
         for name, script in (("one mesh", SCRIPT),
                              ("small labels", SMALL_LABELS),
+                             ("strings", STRINGS),
                              ("several meshes", SEVERAL_MESHES)):
             with self.subTest(strategy=name):
                 done = _run(script, TF_CPP_MIN_LOG_LEVEL="0")
@@ -99,6 +131,8 @@ class ConsoleTest(unittest.TestCase):
                 if script is SEVERAL_MESHES:
                     self.assertIn("executor: flexflow_keras.runtime.step",
                                   done.stdout)
+                else:
+                    self.assertRegex(done.stdout, r"devices used: [234]")
                 expanded = collections.Counter(re.findall(
                     r"cache key lookup missed for (\S+)\. DTensor is "
                     r"\(re-\)computing its SPMD", done.stderr))

@@ -660,9 +660,16 @@ class ModelStepExecutor:
             if isinstance(value, np.ndarray):
                 value = tf.convert_to_tensor(value)
             value = densified(value)
-            if not isinstance(value, tf.Tensor) or value.dtype == tf.string:
+            if not isinstance(value, tf.Tensor):
                 shapes.append(None)
                 return value
+            if value.dtype == tf.string:
+                # Stays a regular tensor (the host's lookups read it),
+                # but padded too: 16 strings are as small a constant.
+                small = padded(value) if value.shape.rank else value
+                shapes.append(None if small is value
+                              else tuple(value.shape))
+                return small
             if self._split_feed and _batch_of(value) == self.graph.batch_size:
                 shapes.append(None)
                 return _own_rows(value, self.mesh)

@@ -241,7 +241,8 @@ def padded(value: Any) -> Any:
     if size is None or size >= SMALL_INPUT_ELEMENTS:
         return value
     return tf.pad(tf.reshape(value, [-1]),
-                  [[0, SMALL_INPUT_ELEMENTS - size]])
+                  [[0, SMALL_INPUT_ELEMENTS - size]],
+                  constant_values=tf.zeros([], value.dtype))
 
 
 def unpadded(value: Any, shape: Any, batch_unknown: bool = False) -> Any:
