@@ -104,8 +104,12 @@ class HostPrefix:
             _key(_origin(value)): ("input", i)
             for i, value in enumerate(flat) if tf.is_tensor(value)
         }
+        # By origin too: a small result went in padded (`variables.
+        # padded`), and a hosted call reading it (a lookup of a hosted
+        # `expand_dims`) gets it through the unpadding's reshape.
         self._origins.update({
-            _key(value): ("hosted", j) for j, value in enumerate(results)
+            _key(_origin(value)): ("hosted", j)
+            for j, value in enumerate(results)
         })
         self._results = results
 
