@@ -14,7 +14,7 @@ Keras models (the one bridge); an op's `layer`, `arguments` and
 
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -61,6 +61,10 @@ class TensorInfo:
         hosted_by: For an input of the step that the host computes
             before it (`keras_graph.hosted_nodes`: a lookup layer on a
             raw feature), that layer call's name; else None.
+        varying: Dims whose size changes from batch to batch (a token
+            sequence padded to each batch's longest): `shape` holds the
+            size they are priced at (`keras_graph.VARYING_DIM_SIZE`),
+            and no strategy splits them.
     """
 
     name: str
@@ -69,6 +73,7 @@ class TensorInfo:
     producer: str | None = None
     index: int = 0
     hosted_by: str | None = None
+    varying: tuple[int, ...] = ()
 
     @property
     def num_bytes(self) -> int:
@@ -100,6 +105,8 @@ class Op:
         arguments: Keras `SymbolicArguments` of the call (not compared).
         tensor_names: id(KerasTensor) -> tensor name, for
             `keras_graph.fill_arguments`.
+        varying_inputs: Per input, its `TensorInfo.varying` dims (empty
+            when no input has any).
     """
 
     name: str
@@ -124,6 +131,20 @@ class Op:
     tensor_names: Mapping[int, str] = dataclasses.field(
         default_factory=dict, repr=False, compare=False
     )
+    varying_inputs: tuple[tuple[int, ...], ...] = ()
+
+    def takes(self, pos: int, shape: Sequence[int | None]) -> bool:
+        """Whether a tensor of `shape` is this op's input `pos` as the
+        graph has it: the same rank and dims, the batch dim and the
+        input's `varying` dims (a length that changes from batch to
+        batch) aside. The one test by which the runtime knows a traced
+        call's tensors for the graph's."""
+        planned = self.input_shapes[pos]
+        varying = (self.varying_inputs[pos] if self.varying_inputs
+                   else ())
+        return len(shape) == len(planned) and all(
+            dim == 0 or dim in varying or shape[dim] == planned[dim]
+            for dim in range(len(planned)))
 
     @property
     def output_shape(self) -> tuple[int, ...]:

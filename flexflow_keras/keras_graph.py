@@ -15,12 +15,20 @@ from flexflow_keras.model_state import state_of
 
 
 class UnknownDimension(ValueError):
-    """A tensor of the model's graph whose shape is unknown beyond the
-    batch even on the shapes `fit` feeds (a layer of the user's whose
-    output length is drawn at run time): the search cannot price it.
-    `model_input`: the tensor is one of the model's inputs."""
+    """An op's output whose shape is unknown beyond the batch even on
+    static input shapes (a layer of the user's whose output length is
+    drawn at run time): the search cannot price it. (Inputs of the step
+    with unknown dims are `varying`, priced at `VARYING_DIM_SIZE`.)"""
 
-    model_input = False
+
+# The size the search prices a dim at whose length changes from batch to
+# batch: a model input or a host layer's output left unknown beyond the
+# batch by the model and by fit's data (text padded to each batch's
+# longest: `padded_batch`, a `TextVectorization` without
+# `output_sequence_length`). Such dims are never split (`varying_dims`),
+# so any length runs under the plan; this size only weighs their ops
+# against the others, as a typical sentence's token count.
+VARYING_DIM_SIZE = 64
 
 
 class UntracedBatchSize(ValueError):
@@ -437,19 +445,34 @@ def _specs_on(node: Any, in_kts: list, input_shapes: tuple) -> Any:
         args, kwargs = node.arguments.fill_in(known)
     except Exception:  # noqa: BLE001 - the unknown dim is reported
         return None
-    ways = [operation.compute_output_spec]
+    ways = [(operation.compute_output_spec, operation.compute_output_spec)]
     if hasattr(operation, "call"):
-        ways.append(lambda *a, **k: backend.compute_output_spec(
-            operation.call, *a, **k))
-    for way in ways:
+        ways.append((lambda *a, **k: backend.compute_output_spec(
+            operation.call, *a, **k), operation.call))
+    for way, takes in ways:
         try:
-            specs = tree.flatten(way(*args, **kwargs))
+            specs = tree.flatten(way(*args, **_accepted(takes, kwargs)))
         except Exception:  # noqa: BLE001 - the unknown dim is reported
             continue
         shapes = [tuple(spec.shape) for spec in specs]
         if not any(None in shape for shape in shapes):
             return tuple(tuple(int(d) for d in shape) for shape in shapes)
     return None
+
+
+def _accepted(function: Any, kwargs: dict) -> dict:
+    """The `kwargs` `function` takes: a call traced on fit's data records
+    `training=`, which Keras's `Layer.__call__` passes on only to a
+    `call` that takes it (an Embedding's does not)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in parameters}
 
 
 def _call_index(node: Any) -> int:
@@ -469,6 +492,7 @@ class _GraphBuilder:
         self.inputs: list[str] = []  # the model's, then hosted results
         self.hosted: set[int] = set()  # ids of `hosted_nodes`
         self.host_reads: set[str] = set()  # tensors hosted calls read
+        self.any_varying = False  # a step input has `varying` dims
 
     def add_inputs(self, function: Any, prefix: str = "") -> tuple[str, ...]:
         names = []
@@ -485,12 +509,9 @@ class _GraphBuilder:
                     f"batch_size={fixed}, or leave the batch dim of "
                     "`keras.Input` as None."
                 )
-            try:
-                shape = self.static_shape(kt, name)
-            except UnknownDimension as unknown:
-                unknown.model_input = True
-                raise
-            self.tensors[name] = TensorInfo(name, shape, str(kt.dtype))
+            shape, varying = self.step_input_shape(kt, name)
+            self.tensors[name] = TensorInfo(name, shape, str(kt.dtype),
+                                            varying=varying)
             self.names[id(kt)] = name
             names.append(name)
         self.inputs.extend(names)
@@ -504,10 +525,26 @@ class _GraphBuilder:
             raise UnknownDimension(
                 f"Tensor of '{where}' has an unknown dimension; the search "
                 "needs static shapes. Received: shape="
-                f"{tuple(kt.shape)}. Give `keras.Input` a full `shape=` "
-                "(only the batch dim may be None)."
+                f"{tuple(kt.shape)}, on static input shapes: its length "
+                "is known only when the layer runs. Give its output a "
+                "length that its inputs' shapes decide (a fixed slice, "
+                "a `compute_output_shape`)."
             )
         return tuple(int(d) for d in shape)
+
+    def step_input_shape(self, kt: Any, where: str
+                         ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shape of an input of the step (a model input, a host
+        layer's output) and its `varying` dims: those unknown beyond the
+        batch, at `VARYING_DIM_SIZE`."""
+        shape = list(kt.shape)
+        if shape and shape[0] is None:
+            shape[0] = self.batch_size
+        varying = tuple(d for d, size in enumerate(shape) if size is None)
+        if varying:
+            self.any_varying = True
+        return tuple(VARYING_DIM_SIZE if size is None else int(size)
+                     for size in shape), varying
 
     def output_shapes(self, name: str, node: Any, in_kts: list,
                       input_shapes: tuple) -> tuple[tuple[int, ...], ...]:
@@ -523,6 +560,18 @@ class _GraphBuilder:
             if shapes is None or len(shapes) != len(node.outputs):
                 raise unknown
             return shapes
+
+    def varying_dims(self, kt: Any) -> tuple[int, ...]:
+        """The dims of an op's output that may change from batch to
+        batch: where the step has `varying` inputs, those Keras leaves
+        unknown beyond the batch (the padded length an Embedding, a
+        Conv1D or an attention layer keeps). Unknown dims of a model
+        whose inputs are all static are ones Keras did not infer (a
+        reshape's -1): static, so splittable, as before."""
+        if not self.any_varying:
+            return ()
+        return tuple(d for d, size in enumerate(tuple(kt.shape))
+                     if d and size is None)
 
     def walk(
         self, function: Any, prefix: str, bindings: dict[int, str]
@@ -554,9 +603,9 @@ class _GraphBuilder:
         )
         for i, kt in enumerate(node.outputs):
             out = f"{name}:{i}"
+            shape, varying = self.step_input_shape(kt, name)
             self.tensors[out] = TensorInfo(
-                out, self.static_shape(kt, name), str(kt.dtype),
-                hosted_by=name,
+                out, shape, str(kt.dtype), hosted_by=name, varying=varying,
             )
             self.names[id(kt)] = out
             self.inputs.append(out)
@@ -585,14 +634,20 @@ class _GraphBuilder:
         input_shapes = tuple(self.tensors[t].shape for t in inputs)
         output_shapes = self.output_shapes(name, node, in_kts, input_shapes)
         outputs = tuple(f"{name}:{i}" for i in range(len(node.outputs)))
+        varying = [self.varying_dims(kt) for kt in node.outputs]
         for i, (kt, out) in enumerate(zip(node.outputs, outputs)):
             self.tensors[out] = TensorInfo(
-                out, output_shapes[i], str(kt.dtype), name, i
+                out, output_shapes[i], str(kt.dtype), name, i,
+                varying=varying[i],
             )
             self.names[id(kt)] = out
         spec = op_specs.describe(
             operation, input_shapes, output_shapes, node.arguments
         )
+        partitionable = {
+            dim: kind for dim, kind in spec.partitionable.items()
+            if not varying or dim not in varying[0]
+        }
         weights = tuple(
             WeightInfo(
                 v.path,
@@ -621,10 +676,13 @@ class _GraphBuilder:
                 forward_flops=float(spec.forward_flops),
                 backward_flops=float(spec.backward_flops),
                 flops_exact=spec.flops_exact,
-                partitionable=dict(spec.partitionable),
+                partitionable=partitionable,
                 layer=operation,
                 arguments=node.arguments,
                 tensor_names={id(kt): self.names[id(kt)] for kt in in_kts},
+                varying_inputs=(
+                    tuple(self.tensors[t].varying for t in inputs)
+                    if self.any_varying else ()),
             )
         )
 

@@ -26,7 +26,6 @@ from flexflow_keras import settings as settings_lib
 from flexflow_keras import user_random
 from flexflow_keras.keras_graph import (
     UnknownDimension, UntracedBatchSize, is_subclassed, needs_trace,
-    unknown_dims,
 )
 from flexflow_keras.model_state import state_of
 from flexflow_keras.runtime import StrategyTrainer, step_prints
@@ -252,16 +251,6 @@ class _PlanningModel(StrategyTrainer):
             except (capabilities.Unsupported, UnknownDimension,
                     UntracedBatchSize) as error:
                 why = str(error).rstrip(".")
-                if (isinstance(error, UnknownDimension)
-                        and error.model_input
-                        and state.traced_function is not None):
-                    # An input traced on fit's data, which leaves the dim
-                    # unknown too (a dataset that must not be read ahead).
-                    why += (
-                        ". The data fit() reads leaves it unknown as well: "
-                        "give the dataset static shapes (`tf.ensure_shape` "
-                        "in its `map`)"
-                    )
                 # Plain Keras runs such a model: so does the script.
                 self._strategy_failed(
                     f"Model '{self.name}' trains as plain Keras on one "
@@ -433,11 +422,11 @@ def _peek_batch(
     first = None
     if isinstance(x, tf.data.Dataset):
         read = _dataset_batch(x)
-        if read is not None and not (
-                unknown_dims(keras.tree.flatten(read.inputs))
-                and _replayable(x)):
+        if read is not None:
+            # Dims its element spec leaves unknown change from batch to
+            # batch: never split (`keras_graph.VARYING_DIM_SIZE`).
             return read, x
-        if read is None and not _replayable(x):
+        if not _replayable(x):
             return None, x
         first = next(iter(x.take(1)))
     elif isinstance(x, keras.utils.PyDataset):
@@ -499,11 +488,9 @@ def _replayable(dataset: Any) -> bool:
     it would have been: no op in its graph (map functions included)
     keeps state between iterators.
 
-    Why: a dataset whose element spec leaves a dim unknown (keras.io's
-    captcha OCR: labels made by `tf.strings.unicode_split`, `(None,
-    None)`) gives the search no static shapes, and the model trained as
-    plain Keras; its first batch has them. A dataset that shuffles or
-    draws must not be peeked (see `_dataset_batch`)."""
+    Why: a dataset whose batch size neither its element spec nor its
+    chain of `batch` calls tells is read once for it; one that shuffles
+    or draws must not be peeked (see `_dataset_batch`)."""
     import tensorflow as tf
 
     try:

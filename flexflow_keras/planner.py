@@ -296,7 +296,15 @@ def _one_mesh_reason(graph: OpGraph) -> str | None:
     - Layers run on the host before the step (`keras_graph.hosted_nodes`):
       their results reach the model's own step, which runs on one mesh
       (the layer-by-layer executor feeds only the model's inputs).
+    - Inputs whose length changes from batch to batch
+      (`TensorInfo.varying`): the model's own step traces one function
+      for all lengths where DTensor allows (`varying_shapes`); the
+      layer-by-layer executor's functions keep the graph's shapes.
     """
+    varying = [t for t in graph.inputs if graph.tensors[t].varying]
+    if varying:
+        return (f"the length of inputs {varying} changes from batch to "
+                "batch")
     hosted = sorted({graph.tensors[t].hosted_by for t in graph.hosted_inputs})
     if hosted:
         return f"ops {hosted} run on the host before the step"

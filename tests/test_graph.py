@@ -12,7 +12,7 @@ import numpy as np
 from graph_checks import BATCH, GraphAssertions
 
 from flexflow_keras.graph import ATTRIBUTE, PARAMETER, SAMPLE
-from flexflow_keras.keras_graph import build_graph
+from flexflow_keras.keras_graph import VARYING_DIM_SIZE, build_graph
 
 
 class MlpGraphTest(GraphAssertions):
@@ -245,13 +245,17 @@ class OpaqueAndInvalidModelTest(unittest.TestCase):
         self.assertEqual(op.weights[0].shape, (5, 3))
         self.assertIsNone(op.weights[0].shard_axis)
 
-    def test_non_batch_none_dim_is_rejected(self):
-        inputs = keras.Input(shape=(None, 3))
-        model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
-        with self.assertRaisesRegex(
-            ValueError, r"unknown dimension.*Received: shape=\(None, None, 3\)"
-        ):
-            build_graph(model, BATCH)
+    def test_non_batch_none_dim_is_varying(self):
+        # Priced at VARYING_DIM_SIZE, and never split downstream.
+        inputs = keras.Input(shape=(None, 3), name="x")
+        model = keras.Model(inputs, keras.layers.Dense(2, name="d")(inputs))
+        graph = build_graph(model, BATCH)
+        self.assertEqual(graph.tensors["x"].shape, (BATCH, VARYING_DIM_SIZE, 3))
+        self.assertEqual(graph.tensors["x"].varying, (1,))
+        self.assertEqual(graph.op("d").output_shape, (BATCH, VARYING_DIM_SIZE, 2))
+        self.assertEqual(graph.tensors["d:0"].varying, (1,))
+        self.assertNotIn(1, graph.op("d").partitionable)
+        self.assertIn(2, graph.op("d").partitionable)
 
     def test_fixed_batch_input_must_match_batch_size(self):
         inputs = keras.Input(shape=(3,), batch_size=8, name="x")

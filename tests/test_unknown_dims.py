@@ -11,6 +11,8 @@ search needs static shapes"):
 - a layer whose own `compute_output_shape` leaves a dim unknown that its
   call computes (`EinsumDense(..., output_shape=(None, d))`, as Keras's
   docs write it): shaped by tracing its call (`_specs_on`).
+- inputs whose length fit's data leaves unknown too (a dataset's
+  element spec): `varying` dims (tests/test_varying_lengths.py).
 A length only known at run time (a window drawn each step) trains as
 plain Keras with one warning, as the script would without the package;
 it crashed the script.
@@ -24,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 import flexflow_keras as fk
+from flexflow_keras.keras_graph import VARYING_DIM_SIZE
 
 from runtime_support import (
     assert_own_step_under_strategy, assert_same_fits, assert_same_runs,
@@ -236,36 +239,26 @@ class UnknownDimsTest(unittest.TestCase):
                          ((BATCH, LENGTH, 4),))
         assert_same_runs(self, runs)
 
-    def test_dataset_of_unknown_lengths_is_planned_on_its_first_batch(self):
-        """The dataset keeps no state between iterators, so fit() reads
-        its first batch for the shapes (it trained as plain Keras: "Tensor
-        of 'label' has an unknown dimension")."""
+    def test_dataset_of_unknown_lengths_plans_them_as_varying(self):
+        """The element spec leaves the labels' length unknown: it is
+        planned at `VARYING_DIM_SIZE`, never split, and the dataset is
+        not read ahead, shuffling or not (it trained as plain Keras:
+        "Tensor of 'label' has an unknown dimension"; a peek of a
+        shuffling dataset would change every epoch's order)."""
         self.assertEqual(labelled_dataset().element_spec["label"].shape,
                          (None, None))
-        runs = train_plain_and_ours(
-            build_labelled, 5, lambda model: model.fit(
-                labelled_dataset(), epochs=2, verbose=0).history)
-        assert_own_step_under_strategy(self, runs)
-        graph = runs["ours"][0].plan.graph
-        self.assertEqual(graph.tensors["label"].shape, (BATCH, 4))
-        assert_same_fits(self, {k: r[1] for k, r in runs.items()},
-                         {k: r[0] for k, r in runs.items()})
-
-    def test_shuffled_dataset_of_unknown_lengths_is_not_peeked(self):
-        """Another iterator of a shuffling dataset takes the next seed (a
-        peek would change every epoch's order): plain Keras, said once,
-        with the input's name."""
-        runs = train_plain_and_ours(
-            build_labelled, 5, lambda model: model.fit(
-                labelled_dataset(shuffle=True), epochs=2, verbose=0).history)
-        said = [m for m in runs["ours"][2] if "trains as plain Keras" in m]
-        self.assertEqual(len(said), 1, said)
-        self.assertIn("Tensor of 'label' has an unknown dimension", said[0])
-        self.assertIn("give the dataset static shapes (`tf.ensure_shape`",
-                      said[0])
-        self.assertNotIn("..", said[0])
-        np.testing.assert_allclose(runs["ours"][1]["loss"],
-                                   runs["plain"][1]["loss"], rtol=1e-6)
+        for shuffle in (False, True):
+            with self.subTest(shuffle=shuffle):
+                runs = train_plain_and_ours(
+                    build_labelled, 5, lambda model: model.fit(
+                        labelled_dataset(shuffle), epochs=2,
+                        verbose=0).history)
+                assert_own_step_under_strategy(self, runs)
+                label = runs["ours"][0].plan.graph.tensors["label"]
+                self.assertEqual(label.shape, (BATCH, VARYING_DIM_SIZE))
+                self.assertEqual(label.varying, (1,))
+                assert_same_fits(self, {k: r[1] for k, r in runs.items()},
+                                 {k: r[0] for k, r in runs.items()})
 
     def test_nested_models_on_variable_length_inputs(self):
         x, y = data()

@@ -45,7 +45,7 @@ from flexflow_keras.model_state import state_of
 from flexflow_keras.runtime import (
     deferred, fresh_state, op_rules, raw_variables, realized, rolled_rnn,
     stateful_draws, step_prints, step_rules, unfed_step, unknown_batch,
-    unroll, untracked,
+    unroll, untracked, varying_shapes,
 )
 from flexflow_keras.runtime.fallback import (
     collectives_aborted, fall_back, failed_while_running, op_to_replicate,
@@ -184,8 +184,12 @@ class ModelStepExecutor:
         self._splits_beyond_batch = any(
             dim != 0 for plan in plans for dim in plan.axes
         )
-        self._functions: dict[tuple, Any] = {}  # `step_key` -> step
-        self._ran: set[tuple] = set()  # `step_key`s of steps that ran
+        self._functions: dict[tuple, Any] = {}  # `mesh_key` -> step
+        self._ran: set[tuple] = set()  # `mesh_key`s of steps that ran
+        # The key of each batch's step, for batches whose lengths change
+        # (`varying_shapes`), and the key of the batch run last.
+        self._signatures = varying_shapes.Signatures()
+        self._last_key: tuple | None = None
         self._learning_rates: dict[int, float] = {}
         self._transfers = Transfers(self.mesh)
         # Ops a first run found DTensor could not lay out, now replicated.
@@ -447,7 +451,7 @@ class ModelStepExecutor:
         plan = _matching_plan(plans, leaves)
         layouts = {}  # by the graph's shapes: traced ones have batch None
         for pos, value in enumerate(leaves[: len(plan.op.inputs)]):
-            if _same_shape(value, plan.op.input_shapes[pos]):
+            if plan.op.takes(pos, tuple(value.shape)):
                 layouts[pos] = plan.input_layout(
                     pos, plan.op.input_shapes[pos], self._sharded
                 )
@@ -560,11 +564,12 @@ class ModelStepExecutor:
     # -- steps ----------------------------------------------------------------
 
     def _trace(self, key: tuple, data: Any) -> Any:
-        """The step of `key` (`step_key`) for `data`, traced with the
-        batch dim unknown, as Keras traces its step on a dataset's
-        element spec, unless rolled loops or DTensor need it static
-        (then `unknown_batch` keeps the per-output loss trackers'
-        weighting as on Keras's trace).
+        """The step of `key` (`mesh_key`, or a relaxed one) for `data`,
+        traced with the batch dim unknown, as Keras traces its step on a
+        dataset's element spec, unless rolled loops or DTensor need it
+        static (then `unknown_batch` keeps the per-output loss trackers'
+        weighting as on Keras's trace); other dims as `key` has them
+        (unknown where batches' lengths differ: `varying_shapes`).
 
         One function per batch size: a batch of another size than the
         strategy's (the last partial batch, evaluate/predict batches)
@@ -615,7 +620,8 @@ class ModelStepExecutor:
                      for t in printed.tensors]
 
             concrete = traced.get_concrete_function(_specs(
-                data.values, self._static_batch or self.loops.recurrent
+                data.values, self._static_batch or self.loops.recurrent,
+                varying_shapes.Signatures.dims(key),
             ), data.shapes)
             captures_on_mesh(concrete, self.mesh)
             return _StepFunction(traced, kind,
@@ -632,9 +638,9 @@ class ModelStepExecutor:
         return function
 
     @staticmethod
-    def step_key(kind: str, data: Any) -> tuple:
-        """`step_key`, for `realized.record` (which this module imports)."""
-        return step_key(kind, data)
+    def mesh_key(kind: str, batch: "_MeshBatch") -> tuple:
+        """`mesh_key`, for `realized.record` (which this module imports)."""
+        return mesh_key(kind, batch)
 
     def _on_mesh(self, data: Any) -> "_MeshBatch":
         """Each tensor of a batch onto the mesh: replicated (one local
@@ -682,11 +688,14 @@ class ModelStepExecutor:
 
     def run(self, kind: str, data: Any) -> Any:
         """One step of `kind` on one batch; regular tensors out."""
-        key = step_key(kind, data)
-        function = self._functions.get(key)
-        if function is None and kind != "predict":
-            self._build(data, kind)
+        self._last_key = None
+        if kind != "predict":
+            self._build(data, kind)  # once
         batch = self._on_mesh(data)  # once: copies, host lookups
+        key = self._last_key = self._signatures.key_for(
+            mesh_key(kind, batch), self._functions,
+            static=self._static_batch or self.loops.recurrent)
+        function = self._functions.get(key)
         if function is None:
             self._realize()
             function = self._trace(key, batch)
@@ -725,10 +734,12 @@ class ModelStepExecutor:
         if isinstance(error, SecondOrderSplits):  # found while tracing
             return to_data_parallel(self.model, self.graph, self.mesh.size,
                                     kind, str(error), batches)
-        if isinstance(error, CalledElsewhere):  # found while tracing
+        if isinstance(error, (CalledElsewhere,
+                              varying_shapes.TooManyLengths)):
             return to_plain_keras(self.model, kind, str(error), batches)
+        key = self._last_key  # None: failed before its step was known
         if (not isinstance(error, tf.errors.OpError)
-                and step_key(kind, batch) not in self._functions
+                and key not in self._functions
                 and not (self._static_batch or self.loops.recurrent)):
             # The step's own code failed as it was traced on an unknown
             # batch dim, where Keras traced it on a dataset's known one
@@ -741,7 +752,7 @@ class ModelStepExecutor:
             raise error
         if collectives_aborted(error):  # no retrace can help
             return fall_back(self.model, kind, error, batches, False)
-        first = step_key(kind, batch) not in self._ran
+        first = key not in self._ran
         if first:
             context.async_clear_error()
         if first and failed_while_running(error):  # Keras decides
@@ -989,17 +1000,34 @@ def _regular(value: Any) -> Any:
     return value
 
 
-def _specs(data: Any, static_batch: bool = False) -> Any:
+def _specs(data: Any, static_batch: bool = False,
+           dims: tuple | None = None) -> Any:
     """Tensor specs of `data`, the batch dim unknown unless
-    `static_batch`."""
+    `static_batch`; the others as `dims` has them per leaf
+    (`varying_shapes.Signatures.dims`), else as the tensors'."""
+    leaves = tree.flatten(data)
+    dims = dims or (None,) * len(leaves)
 
-    def spec(value):
+    def spec(value, other_dims):
         if isinstance(value, tf.Tensor) and value.shape.rank:
             batch = value.shape[0] if static_batch else None
-            return tf.TensorSpec([batch] + value.shape[1:], value.dtype)
+            if other_dims is None:
+                other_dims = value.shape[1:]
+            return tf.TensorSpec([batch] + list(other_dims), value.dtype)
         return value
 
-    return tree.map_structure(spec, data)
+    return tree.pack_sequence_as(
+        data, [spec(v, d) for v, d in zip(leaves, dims)])
+
+
+def mesh_key(kind: str, batch: "_MeshBatch") -> tuple:
+    """What a step function is kept and known to have run under, for a
+    batch on the mesh: `step_key` of its values (the hosted results
+    included: their lengths are the batch's too), its true batch size
+    (a padded first leaf has another) and its padded inputs' shapes,
+    which its trace takes as Python values."""
+    _, _, structure, signature = step_key(kind, batch.values)
+    return kind, batch.batch, structure, signature, batch.shapes
 
 
 def step_key(kind: str, data: Any) -> tuple:
@@ -1040,18 +1068,13 @@ def _batch_of(data: Any) -> int | None:
     return None
 
 
-def _same_shape(value: Any, shape: tuple[int, ...]) -> bool:
-    """Same shape as the graph's, the batch dim aside."""
-    got = tuple(value.shape)
-    return len(got) == len(shape) and got[1:] == tuple(shape[1:])
-
-
 def _matching_plan(plans: list[OpPlan], leaves: list) -> OpPlan:
     """The call of a shared layer whose input shapes these are."""
     for plan in plans:
         shapes = plan.op.input_shapes
         if len(leaves) >= len(shapes) and all(
-            _same_shape(v, s) for v, s in zip(leaves, shapes)
+            plan.op.takes(pos, tuple(v.shape))
+            for pos, v in enumerate(leaves[:len(shapes)])
         ):
             return plan
     return plans[0]

@@ -144,8 +144,9 @@ class _Recorder:
         first not yet called in this step (a shared layer's calls in
         order), else the first."""
         matching = [p for p in plans if len(leaves) >= len(p.op.inputs)
-                    and all(_same_shape(v, s)
-                            for v, s in zip(leaves, p.op.input_shapes))]
+                    and all(p.op.takes(pos, tuple(v.shape))
+                            for pos, v in enumerate(
+                                leaves[:len(p.op.inputs)]))]
         fresh = [p for p in matching if p.op.name not in self.calls]
         return (fresh or matching or plans)[0]
 
@@ -178,7 +179,7 @@ class _Recorder:
             self.tensors.append(value)
 
         for pos, value in enumerate(leaves[: len(op.inputs)]):
-            if _same_shape(value, op.input_shapes[pos]):
+            if op.takes(pos, tuple(value.shape)):
                 add("input", f"input {pos}", pos, op.input_shapes[pos],
                     None, value)
         for var, shard_axis, value in weights:
@@ -224,7 +225,7 @@ def record(executor: Any, data: Any) -> list[Realized]:
     # (`rolled_rnn.RedoneOnNameClash`), and each trace records afresh.
     _REQUESTED.append(recorder)
     try:
-        function = executor._trace(executor.step_key("train", data),
+        function = executor._trace(executor.mesh_key("train", batch),
                                    batch)
         layouts = _run_unchanged(executor, function, batch, recorder)
     finally:
@@ -371,9 +372,3 @@ def _is_traced(value: Any) -> bool:
     return isinstance(value, tf.Tensor) and not isinstance(
         value, keras.KerasTensor
     )
-
-
-def _same_shape(value: Any, shape: tuple) -> bool:
-    """Same shape as the graph's, the batch dim aside."""
-    got = tuple(value.shape)
-    return len(got) == len(shape) and got[1:] == tuple(shape[1:])

@@ -1,0 +1,226 @@
+"""Inputs whose length changes from batch to batch (text padded to each
+batch's longest) train under their strategy, equal to plain Keras.
+
+Before, such a model trained as plain Keras on one device ("Tensor of
+'text_vectorization' has an unknown dimension; the search needs static
+shapes"): TensorFlow's RNN text-classification tutorial (a
+`TextVectorization` without `output_sequence_length`), and any
+`padded_batch` of a shuffled dataset. Now those dims are `varying`:
+priced at `keras_graph.VARYING_DIM_SIZE`, never split, and the step is
+traced once more with them unknown after a second length
+(`runtime/varying_shapes.py`); a step with recurrent loops, which
+DTensor lays out only on static shapes, gets one trace per length, up
+to `MAX_STATIC_LENGTHS`, then trains as plain Keras, saying why.
+"""
+
+import unittest
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from flexflow_keras.keras_graph import VARYING_DIM_SIZE
+from flexflow_keras.runtime import varying_shapes
+
+from runtime_support import (
+    assert_own_step_under_strategy, assert_same_fit_evaluate_predict,
+    train_plain_and_ours,
+)
+
+WORDS = np.array(["good", "bad", "movie", "great", "awful", "plot",
+                  "actor", "fun", "boring", "the", "a", "was"])
+
+
+def reviews(rows=96, seed=0):
+    rng = np.random.default_rng(seed)
+    texts = np.array([" ".join(rng.choice(WORDS, rng.integers(2, 12)))
+                      for _ in range(rows)])
+    labels = np.array([("good" in t or "great" in t) * 1.0 for t in texts],
+                      np.float32)
+    return texts, labels
+
+
+def build_tutorial(mod):
+    """TensorFlow's "text classification with an RNN" tutorial, small:
+    raw strings in, a `TextVectorization` without a fixed length (its
+    output as long as each batch's longest review), a masking
+    Embedding, a Bidirectional LSTM; Dropout as well."""
+    texts, _ = reviews()
+    encoder = mod.layers.TextVectorization(max_tokens=16, name="encoder")
+    encoder.adapt(texts)
+    model = mod.Sequential([
+        mod.Input((), dtype="string"),
+        encoder,
+        mod.layers.Embedding(16, 8, mask_zero=True, name="embed"),
+        mod.layers.Bidirectional(mod.layers.LSTM(8), name="bilstm"),
+        mod.layers.Dropout(0.25, seed=3),
+        mod.layers.Dense(8, activation="relu", name="hidden"),
+        mod.layers.Dense(1, name="logit"),
+    ])
+    model.compile(optimizer=mod.optimizers.Adam(1e-2),
+                  loss=mod.losses.BinaryCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def tutorial_data(shuffle):
+    texts, labels = reviews()
+    data = tf.data.Dataset.from_tensor_slices((texts, labels))
+    if shuffle:
+        data = data.shuffle(96, seed=1)
+    return data.batch(16)
+
+
+def sequences(rows, lengths, seed=0):
+    """A dataset of token sequences of `lengths` (cycled), padded to each
+    batch's longest by `padded_batch`."""
+    rng = np.random.default_rng(seed)
+    sizes = [lengths[i % len(lengths)] for i in range(rows)]
+    tokens = tf.ragged.constant(
+        [rng.integers(1, 30, size).tolist() for size in sizes],
+        dtype=tf.int32)
+    labels = rng.integers(0, 3, rows)
+    return tf.data.Dataset.from_tensor_slices((tokens, labels)).map(
+        lambda t, y: (t, y))
+
+
+def build_conv_attention(mod):
+    """Tokens of any length: Embedding, Conv1D, self-attention with
+    Dropout, pooled."""
+    tokens = mod.Input((None,), dtype="int32", name="tokens")
+    h = mod.layers.Embedding(30, 8, name="embed")(tokens)
+    h = mod.layers.Conv1D(8, 3, padding="same", activation="relu",
+                          name="conv")(h)
+    a = mod.layers.MultiHeadAttention(2, 4, dropout=0.2, name="mha")(h, h)
+    h = mod.layers.LayerNormalization(name="norm")(h + a)
+    h = mod.layers.GlobalAveragePooling1D(name="pool")(h)
+    model = mod.Model(tokens, mod.layers.Dense(3, name="out")(h))
+    model.compile(optimizer=mod.optimizers.SGD(0.1, momentum=0.9),
+                  loss=mod.losses.SparseCategoricalCrossentropy(
+                      from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def build_rnn(mod):
+    tokens = mod.Input((None,), dtype="int32", name="tokens")
+    h = mod.layers.Embedding(30, 4, name="embed")(tokens)
+    h = mod.layers.SimpleRNN(4, name="rnn")(h)
+    model = mod.Model(tokens, mod.layers.Dense(3, name="out")(h))
+    model.compile(optimizer="sgd",
+                  loss=mod.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+    return model
+
+
+def fit_evaluate_predict(train, test):
+    def run(model):
+        history = model.fit(train(), epochs=2, validation_data=test(),
+                            verbose=0).history
+        return [history, model.evaluate(test(), verbose=0),
+                model.predict(test(), verbose=0)]
+    return run
+
+
+class VaryingLengthsTest(unittest.TestCase):
+    def test_text_classification_tutorial_trains_under_its_strategy(self):
+        runs = train_plain_and_ours(build_tutorial, 4, fit_evaluate_predict(
+            lambda: tutorial_data(shuffle=True),
+            lambda: tutorial_data(shuffle=False).take(3)))
+        assert_own_step_under_strategy(self, runs)
+        graph = runs["ours"][0].plan.graph
+        (tokens,) = graph.hosted_inputs
+        self.assertEqual(graph.tensors[tokens].shape, (16, VARYING_DIM_SIZE))
+        self.assertEqual(graph.tensors[tokens].varying, (1,))
+        self.assertNotIn(1, graph.op("embed").partitionable)
+        assert_same_fit_evaluate_predict(self, runs)
+
+    def test_many_lengths_trace_one_step_for_all(self):
+        train = lambda: sequences(64, list(range(8, 40))).shuffle(
+            64, seed=2).padded_batch(8)
+        # Batches of 8 rows of one length each.
+        test = lambda: sequences(24, [8] * 8 + [13] * 8 + [21] * 8,
+                                 seed=1).padded_batch(8)
+        runs = train_plain_and_ours(build_conv_attention, 5,
+                                    fit_evaluate_predict(train, test))
+        assert_own_step_under_strategy(self, runs)
+        assert_same_fit_evaluate_predict(self, runs)
+        keys = list(runs["ours"][0].strategy_executor._functions)
+        for kind in ("train", "test", "predict"):
+            # The first batch's shapes, then every length at once.
+            traced = [k for k in keys if k[0] == kind]
+            self.assertEqual(len(traced), 2, traced)
+            self.assertIn(None, varying_shapes.Signatures.dims(traced[1])[0])
+
+    def test_recurrent_step_of_too_many_lengths_trains_as_plain_keras(self):
+        # Batches of 8 rows of a length of their own (8 x 8 values and
+        # more: not padded, so only the RNN's loop keeps them static).
+        lengths = [8 + i // 8
+                   for i in range(16 * varying_shapes.MAX_STATIC_LENGTHS)]
+        data = lambda: sequences(len(lengths), lengths).padded_batch(8)
+        runs = train_plain_and_ours(build_rnn, 6, lambda model: model.fit(
+            data(), epochs=1, verbose=0).history)
+        said = [m for m in runs["ours"][2] if "plain Keras" in m]
+        self.assertEqual(len(said), 1, said)
+        self.assertIn(
+            f"more than {varying_shapes.MAX_STATIC_LENGTHS} shapes", said[0])
+        self.assertIn("Pad every batch to one length", said[0])
+        np.testing.assert_allclose(runs["ours"][1]["loss"],
+                                   runs["plain"][1]["loss"], rtol=1e-5)
+        for a, b in zip(runs["plain"][0].get_weights(),
+                        runs["ours"][0].get_weights()):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+class SignaturesTest(unittest.TestCase):
+    @staticmethod
+    def key(kind, *dims, padded=(None,)):
+        return (kind, 8, "tree", tuple((d, "int32") for d in dims), padded)
+
+    def test_second_length_relaxes_the_dims_that_differ(self):
+        signatures, traced = varying_shapes.Signatures(), {}
+        first = self.key("train", (5, 3))
+        self.assertEqual(signatures.key_for(first, traced, False), first)
+        traced[first] = "static"
+        wide = signatures.key_for(self.key("train", (9, 3)), traced, False)
+        self.assertEqual(varying_shapes.Signatures.dims(wide), ((None, 3),))
+        traced[wide] = "relaxed"
+        self.assertEqual(
+            signatures.key_for(self.key("train", (12, 3)), traced, False),
+            wide)
+        self.assertEqual(signatures.key_for(first, traced, False), first)
+        # Another kind is a family of its own.
+        test = self.key("test", (9, 3))
+        self.assertEqual(signatures.key_for(test, traced, False), test)
+        # A dim that had not changed yet is relaxed too.
+        wider = signatures.key_for(self.key("train", (4, 7)), traced, False)
+        self.assertEqual(varying_shapes.Signatures.dims(wider),
+                         ((None, None),))
+
+    def test_small_padded_inputs_count_their_lengths(self):
+        signatures, traced = varying_shapes.Signatures(), {}
+        # An input of 8 x length values goes in padded, its shape a
+        # Python value of the trace: no trace takes two lengths.
+        for length in range(varying_shapes.MAX_STATIC_LENGTHS):
+            key = self.key("train", (64,), padded=((8, length + 1),))
+            self.assertEqual(signatures.key_for(key, traced, False), key)
+            traced[key] = "static"
+        with self.assertRaises(varying_shapes.TooManyLengths):
+            signatures.key_for(self.key("train", (64,), padded=((8, 9),)),
+                               traced, False)
+
+    def test_static_steps_count_their_lengths(self):
+        signatures, traced = varying_shapes.Signatures(), {}
+        for length in range(varying_shapes.MAX_STATIC_LENGTHS):
+            key = self.key("train", (length + 1,))
+            self.assertEqual(signatures.key_for(key, traced, True), key)
+            traced[key] = "static"
+        # A length traced again (a retry) is not a new one.
+        del traced[key]
+        self.assertEqual(signatures.key_for(key, traced, True), key)
+        with self.assertRaises(varying_shapes.TooManyLengths):
+            signatures.key_for(self.key("train", (99,)), traced, True)
+
+
+if __name__ == "__main__":
+    unittest.main()
