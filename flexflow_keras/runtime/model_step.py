@@ -1031,9 +1031,10 @@ def mesh_key(kind: str, batch: "_MeshBatch") -> tuple:
 
 
 def step_key(kind: str, data: Any) -> tuple:
-    """What a step function is kept and known to have run under: its
-    kind, the batch size, and what else a trace depends on (the batch's
-    structure, each tensor's dtype and other dims).
+    """What a step function is kept and known to have run under (the
+    first four parts of `mesh_key`): its kind, the batch size, and what
+    else a trace depends on (the batch's structure, each tensor's dtype
+    and other dims).
 
     Why the structure: fit's validation batches carried sample weights
     (`validation_split` with `sample_weight`) and evaluate's did not.
