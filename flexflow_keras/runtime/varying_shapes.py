@@ -35,8 +35,8 @@ MAX_STATIC_LENGTHS = 8
 
 
 class TooManyLengths(Exception):
-    """Batches of more lengths than `MAX_STATIC_LENGTHS` for a step that
-    needs static shapes."""
+    """Batches of more shapes than `MAX_STATIC_LENGTHS` in a family whose
+    steps take one shape each."""
 
 
 def _family(key: tuple) -> tuple:
@@ -85,8 +85,9 @@ class Signatures:
             static: Whether steps need static shapes.
 
         Raises:
-            TooManyLengths: `static`, and the family has had
-                `MAX_STATIC_LENGTHS` traces already.
+            TooManyLengths: each step of the family takes one shape
+                (`static`, or padded inputs), and it has had
+                `MAX_STATIC_LENGTHS` shapes already.
         """
         if key in traced:
             return key
