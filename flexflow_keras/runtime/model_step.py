@@ -669,19 +669,17 @@ class ModelStepExecutor:
             if not isinstance(value, tf.Tensor):
                 shapes.append(None)
                 return value
-            if value.dtype == tf.string:
-                # Stays a regular tensor (the host's lookups read it),
-                # but padded too: 16 strings are as small a constant.
-                small = padded(value) if value.shape.rank else value
-                shapes.append(None if small is value
-                              else tuple(value.shape))
-                return small
-            if self._split_feed and _batch_of(value) == self.graph.batch_size:
+            # Strings stay regular tensors (the host's lookups read
+            # them), but are padded too: 16 strings are as small a
+            # constant.
+            strings = value.dtype == tf.string
+            if (not strings and self._split_feed
+                    and _batch_of(value) == self.graph.batch_size):
                 shapes.append(None)
                 return _own_rows(value, self.mesh)
             small = padded(value) if value.shape.rank else value
             shapes.append(None if small is value else tuple(value.shape))
-            return replicate(small, self.mesh)
+            return small if strings else replicate(small, self.mesh)
 
         values = tree.map_structure(copy, data)
         return _MeshBatch(values, tuple(shapes), size)
