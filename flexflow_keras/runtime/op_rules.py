@@ -75,7 +75,7 @@ from keras import tree
 from tensorflow.experimental import dtensor
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import (
-    array_ops, gen_linalg_ops, gen_math_ops, stateless_random_ops,
+    array_ops, gen_linalg_ops, gen_math_ops, nn_ops, stateless_random_ops,
 )
 from keras.src.backend.tensorflow import nn as tf_nn
 from keras.src.backend.tensorflow import numpy as tf_numpy
@@ -622,6 +622,9 @@ def substitutes(mesh: Any) -> Iterator[None]:
         (tf.nn, "separable_conv2d", depthwise.separable_conv2d),
         (tf.math, "top_k", whole_on(mesh, tf.math.top_k)),
         (tf.nn, "top_k", whole_on(mesh, tf.nn.top_k)),
+        # `tf.sort` and `tf.argsort` (`keras.ops.sort/argsort`) call it
+        # as `nn_ops.top_k`.
+        (nn_ops, "top_k", whole_on(mesh, nn_ops.top_k)),
         (tensor_lib.Tensor, "__getitem__",
          _sliced_plainly(tensor_lib.Tensor.__getitem__)),
         (gen_linalg_ops, "einsum", _explicit(gen_linalg_ops.einsum)),
