@@ -88,12 +88,11 @@ def _alone(iterator: Any, batch: Any) -> Any:
     off plain Keras's, the first batch's masks drawn again for the
     second).
     """
-    spec = getattr(iterator, "element_spec", None)
-    if spec is None or not isinstance(iterator, tf.data.Iterator):
+    if not isinstance(iterator, tf.data.Iterator):
         return iter([batch])
     try:
         return iter(tf.data.Dataset.from_generator(
-            lambda: iter([batch]), output_signature=spec))
+            lambda: iter([batch]), output_signature=iterator.element_spec))
     except (TypeError, ValueError):  # a structure it cannot carry
         return iter([batch])
 
