@@ -264,14 +264,23 @@ def show_layouts(environ: Mapping[str, str] | None = None) -> bool:
 NATIVE_LOG_LEVEL = "1"
 
 
-def quiet_native_logs(environ: MutableMapping[str, str] | None = None
-                      ) -> None:
+def quiet_native_logs(environ: MutableMapping[str, str] | None = None,
+                      loaded: bool | None = None) -> None:
     """Sets `TF_CPP_MIN_LOG_LEVEL` to `NATIVE_LOG_LEVEL` unless the user
     set it (theirs wins). TensorFlow reads it once, when it loads: this
-    runs at our import, before TensorFlow's; a script that imports
-    TensorFlow first keeps TensorFlow's default."""
+    runs at our import, usually before TensorFlow's. Where TensorFlow is
+    `loaded` already (default: whether `tensorflow` is imported; a script
+    that imports it first), its threshold is lowered in place
+    (`native_log_level`)."""
     env = os.environ if environ is None else environ
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", NATIVE_LOG_LEVEL)
+    if "TF_CPP_MIN_LOG_LEVEL" in env:
+        return
+    env["TF_CPP_MIN_LOG_LEVEL"] = NATIVE_LOG_LEVEL
+    if loaded is None:
+        loaded = "tensorflow" in sys.modules
+    if loaded:
+        from flexflow_keras import native_log_level
+        native_log_level.set_min_log_level(int(NATIVE_LOG_LEVEL))
 
 
 # DTensor's switch for its pass that merges independent all-reduces into

@@ -5,7 +5,8 @@ lines on, they count DTensor's SPMD expansions: one per function over a
 5-epoch fit with validation.
 
 Each case runs a script in a process of its own: TensorFlow reads its
-log level once, when it loads."""
+log level once, when it loads (a script that loads it before the package
+has its threshold lowered in place: `native_log_level`)."""
 
 import collections
 import os
@@ -108,6 +109,23 @@ class ConsoleTest(unittest.TestCase):
         output = done.stdout + done.stderr
         self.assertNotIn("dtensor_device.cc", output)
 
+    def test_no_dtensor_info_lines_when_tensorflow_loaded_first(self):
+        # Most published scripts import TensorFlow (or Keras, which loads
+        # it) before the package: TensorFlow had read its log level at
+        # INFO, and every expansion printed its two lines.
+        for first in ("import tensorflow as tf", "import keras"):
+            with self.subTest(first=first):
+                done = _run(first + "\n" + SCRIPT)
+                self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+                self.assertRegex(done.stdout, r"devices used: [234]")
+                self.assertNotIn("dtensor_device.cc",
+                                 done.stdout + done.stderr)
+        # The user's own level still wins there: the check can fail.
+        done = _run("import tensorflow as tf\n" + SCRIPT,
+                    TF_CPP_MIN_LOG_LEVEL="0")
+        self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+        self.assertIn("dtensor_device.cc", done.stderr)
+
     def test_users_log_level_wins(self):
         done = _run(TF_CPP_MIN_LOG_LEVEL="0")
         self.assertEqual(done.returncode, 0, done.stderr[-3000:])
@@ -144,8 +162,8 @@ class ConsoleTest(unittest.TestCase):
 
     def test_setting_keeps_the_users_value(self):
         env = {}
-        settings.quiet_native_logs(env)
+        settings.quiet_native_logs(env, loaded=False)
         self.assertEqual(env, {"TF_CPP_MIN_LOG_LEVEL": "1"})
         env = {"TF_CPP_MIN_LOG_LEVEL": "3"}
-        settings.quiet_native_logs(env)
+        settings.quiet_native_logs(env, loaded=False)
         self.assertEqual(env, {"TF_CPP_MIN_LOG_LEVEL": "3"})
