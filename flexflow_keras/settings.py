@@ -102,11 +102,31 @@ class Settings:
                 "2 (FlexFlow's lines). Received: "
                 f"search_verbose={self.search_verbose}"
             )
+        if self.export_strategy:
+            _check_export_path(self.export_strategy)
         if self.cpu_devices is not None and self.cpu_devices < 1:
             raise ValueError(
                 "`--cpu-devices` must be a positive integer. "
                 f"Received: cpu_devices={self.cpu_devices}"
             )
+
+
+def _check_export_path(path: str) -> None:
+    """Raises unless `path` can be written as a file: checked before the
+    search, which would otherwise run to its end and then fail to save."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(
+            "`export_strategy` must name a file, not a folder. Received: "
+            f"export_strategy={path!r}. Name a file in it, e.g. "
+            f"{os.path.join(path, 'strategy.txt')!r}."
+        )
+    if not os.path.isdir(folder):
+        raise ValueError(
+            f"`export_strategy` names a file in a folder that does not "
+            f"exist ({folder!r}). Received: export_strategy={path!r}. "
+            "Create the folder first, or name a file in one that exists."
+        )
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Settings))

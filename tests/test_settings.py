@@ -1,5 +1,7 @@
 """Flag resolution: compile kwargs > command line > environment > default."""
 
+import os
+import tempfile
 import unittest
 
 from flexflow_keras import settings
@@ -74,6 +76,21 @@ class ResolveTest(unittest.TestCase):
     def test_bad_environment_value_names_variable(self):
         with self.assertRaisesRegex(ValueError, "FLEXFLOW_KERAS_SEARCH_BUDGET"):
             settings.resolve({}, {}, {"FLEXFLOW_KERAS_SEARCH_BUDGET": "x"})
+
+    def test_export_path_is_checked_before_the_search(self):
+        # Before, a missing folder failed only when the search had ended,
+        # with a bare FileNotFoundError from `open`.
+        with tempfile.TemporaryDirectory() as folder:
+            missing = os.path.join(folder, "nope", "strategy.txt")
+            with self.assertRaisesRegex(
+                    ValueError, r"folder that does not exist .*nope"):
+                settings.resolve({}, {"export_strategy": missing}, {})
+            with self.assertRaisesRegex(ValueError, "not a folder"):
+                settings.resolve({"export_strategy": folder}, {}, {})
+            path = os.path.join(folder, "strategy.txt")
+            self.assertEqual(
+                settings.resolve({"export_strategy": path}, {}, {})
+                .export_strategy, path)
 
 
 if __name__ == "__main__":
