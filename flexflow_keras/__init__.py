@@ -10,6 +10,8 @@ from flexflow_keras import settings as _settings
 
 # Before TensorFlow loads: no C++ INFO lines unless the user asks.
 _settings.quiet_native_logs()
+# Before DTensor's first relayout: none by its wrong all-to-all.
+_settings.all_gather_relayouts()
 
 from flexflow_keras import devices as _devices  # noqa: E402
 

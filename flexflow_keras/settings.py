@@ -303,6 +303,23 @@ def quiet_native_logs(environ: MutableMapping[str, str] | None = None,
         native_log_level.set_min_log_level(int(NATIVE_LOG_LEVEL))
 
 
+# DTensor's switch for relayouts by all-to-all collectives. On TensorFlow
+# 2.21 they give wrong values, with no error, where a mesh axis moves
+# between two dims of a rank-4 tensor neither of which is the batch dim
+# (docs/RUNTIME.md, "Relayouts"); off, DTensor relays out by all-gather
+# and slice, right in every case measured.
+ALL_TO_ALL_RELAYOUT = "DTENSOR_USE_ALL_TO_ALL_RELAYOUT"
+
+
+def all_gather_relayouts(environ: MutableMapping[str, str] | None = None
+                         ) -> None:
+    """Turns DTensor's all-to-all relayouts off unless the user set the
+    switch (theirs wins). DTensor reads it once, at its first relayout
+    in the process: this runs at our import, before any."""
+    env = os.environ if environ is None else environ
+    env.setdefault(ALL_TO_ALL_RELAYOUT, "0")
+
+
 # DTensor's switch for its pass that merges independent all-reduces into
 # one (`dtensor_passes.py` chooses its value per process).
 COMBINE_ALL_REDUCES = "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"
