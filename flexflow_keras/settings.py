@@ -65,7 +65,8 @@ class Settings:
         search_verbose: 0 silent; 1 (default) a Keras progress bar and
             the chosen strategy; 2 FlexFlow's lines every 100 iterations
             instead of the bar.
-        export_strategy: Path to write the chosen strategy to.
+        export_strategy: Path to write the chosen strategy to (in a
+            folder that exists: checked here, before the search).
         import_strategy: Path of a strategy to use instead of searching.
         machine: Preset name or JSON spec path of the machine to plan
             for; None means the attached devices.

@@ -11,8 +11,9 @@ batches, but not on a partial last batch (the batch dim then runs whole,
 and the move becomes one of those); another, whose pooling splits its
 output's channels after a LayerNormalization that split rows, trained to
 other weights from its first step (the gradient's move). The package
-turns the all-to-all off (`settings.all_gather_relayouts`); every test
-here fails with `DTENSOR_USE_ALL_TO_ALL_RELAYOUT=1` set by hand.
+turns the all-to-all off (`settings.all_gather_relayouts`); with
+`DTENSOR_USE_ALL_TO_ALL_RELAYOUT=1` set by hand, every move below and
+both strategies fail.
 """
 
 import os
@@ -40,34 +41,30 @@ WRONG_BY_ALL_TO_ALL = [
     ((U, U, U, "a1"), (U, "a1", U, U)),
     ((U, U, "a1", U), (U, "a1", U, U)),
     (("a0", "a1", U, U), ("a0", U, U, "a1")),
-    ((U, "a0", U, U), (U, U, "a0", "a1")),
+    ((U, "a1", U, U), (U, U, U, "a1")),
 ]
-
-
-def _config(*pairs):
-    return ParallelConfig(*pairs)
 
 
 # Op name -> config on the 4 test devices, as a 2 x 2 mesh.
 CHANNELS_THEN_ROWS = {  # a partial batch moves channels to rows
-    "conv": _config((2, 1, 1, 1), (0, 1)),
-    "drop": _config((2, 1, 1, 1), (0, 1)),
-    "bn": _config((2, 1, 1, 1), (0, 1)),
-    "ln": _config((2, 1, 1, 1), (0, 1)),
-    "dense": _config((2, 1, 1, 2), (0, 2, 1, 3)),
-    "add": _config((1, 2, 1, 1), (0, 2)),
-    "pool": _config((2, 1), (0, 1)),
-    "out": _config((2, 1), (0, 1)),
+    "conv": ParallelConfig((2, 1, 1, 1), (0, 1)),
+    "drop": ParallelConfig((2, 1, 1, 1), (0, 1)),
+    "bn": ParallelConfig((2, 1, 1, 1), (0, 1)),
+    "ln": ParallelConfig((2, 1, 1, 1), (0, 1)),
+    "dense": ParallelConfig((2, 1, 1, 2), (0, 2, 1, 3)),
+    "add": ParallelConfig((1, 2, 1, 1), (0, 2)),
+    "pool": ParallelConfig((2, 1), (0, 1)),
+    "out": ParallelConfig((2, 1), (0, 1)),
 }
 ROWS_THEN_POOLED_CHANNELS = {  # the gradient moves channels to rows
-    "conv": _config((2, 1, 1, 1), (0, 2)),
-    "drop": _config((2, 2, 1, 1), (0, 1, 2, 3)),
-    "bn": _config((1, 1, 1, 2), (0, 2)),
-    "ln": _config((2, 2, 1, 1), (0, 2, 1, 3)),
-    "dense": _config((2, 1, 1, 1), (0, 2)),
-    "add": _config((2, 1, 1, 1), (0, 2)),
-    "pool": _config((2, 2), (0, 2, 1, 3)),
-    "out": _config((2, 1), (0, 1)),
+    "conv": ParallelConfig((2, 1, 1, 1), (0, 2)),
+    "drop": ParallelConfig((2, 2, 1, 1), (0, 1, 2, 3)),
+    "bn": ParallelConfig((1, 1, 1, 2), (0, 2)),
+    "ln": ParallelConfig((2, 2, 1, 1), (0, 2, 1, 3)),
+    "dense": ParallelConfig((2, 1, 1, 1), (0, 2)),
+    "add": ParallelConfig((2, 1, 1, 1), (0, 2)),
+    "pool": ParallelConfig((2, 2), (0, 2, 1, 3)),
+    "out": ParallelConfig((2, 1), (0, 1)),
 }
 
 
