@@ -151,23 +151,27 @@ def edge_piece(
     sources, sinks = producer_config.device_ids, consumer_config.device_ids
     links: dict[tuple[int, int], tuple] = {}  # (from, to): route, resources
     deps, memory = b.deps, b.memory
-    for i, j, elements in overlaps(
+    colocated = None
+    if one_mesh(producer_config, consumer_config):
+        position = {device: j for j, device in enumerate(sources)}
+        colocated = tuple(position.get(device, -1) for device in sinks)
+    for i, j, forward, backward in overlaps(
         producer, producer.outputs.index(tensor), producer_config.dims,
-        consumer, input_index, consumer_config.dims,
+        consumer, input_index, consumer_config.dims, colocated,
     ):
         dst, src = sinks[i], sources[j]
-        if src == dst:
-            deps.append((p, j, c, i))
-            deps.append((c, n_c + i, p, n_p + j))
-            continue
-        num_bytes = elements * itemsize
         a = (input_index << 12) | i
         # Forward: producer part -> consumer part; backward: the
-        # gradient the other way. Same order of tasks as before.
-        for kind, frm, to, after, before in (
-            (XFER_FWD, src, dst, (p, j), (c, i)),
-            (XFER_BWD, dst, src, (c, n_c + i), (p, n_p + j)),
+        # gradient the other way. On one device, or where nothing moves
+        # one way, a plain dependency.
+        for kind, frm, to, after, before, elements in (
+            (XFER_FWD, src, dst, (p, j), (c, i), forward),
+            (XFER_BWD, dst, src, (c, n_c + i), (p, n_p + j), backward),
         ):
+            if src == dst or not elements:
+                deps.append((*after, *before))
+                continue
+            num_bytes = elements * itemsize
             known = links.get((frm, to))
             if known is None:
                 route = machine.route(frm, to)
@@ -181,24 +185,59 @@ def edge_piece(
             )
             deps.append((*after, SELF, t))
             deps.append((SELF, t, *before))
-        memory.append((dst, float(num_bytes)))
-        b.comm += 2.0 * num_bytes
+            b.comm += float(num_bytes)
+            if kind == XFER_FWD:
+                memory.append((dst, float(num_bytes)))
     return b.piece()
 
 
-@functools.lru_cache(maxsize=2048)
+def one_mesh(a: ParallelConfig, b: ParallelConfig) -> bool:
+    """True if the runtime moves a tensor between the two configs inside
+    one DTensor mesh, by a relayout: their split degrees, in order, and
+    their devices are the same (`search_space.mesh_key`, the mesh the
+    layer-by-layer executor builds; `(4, 1)` and `(1, 4)` on the same
+    devices share one). Between other configs (two meshes, or two
+    blocks of an N-D mesh) the simulator keeps FlexFlow's region
+    transfers: docs/RUNTIME.md, "What a move between two layouts
+    costs"."""
+    return (a.device_ids == b.device_ids and
+            [d for d in a.dims if d > 1] == [d for d in b.dims if d > 1])
+
+
+@functools.lru_cache(maxsize=4096)
 def overlaps(
     producer: Op, output: int, producer_dims: tuple[int, ...],
     consumer: Op, input_index: int, consumer_dims: tuple[int, ...],
-) -> tuple[tuple[int, int, int], ...]:
-    """(consumer part, producer part, elements) for every pair of parts
-    where what the producer part holds of `output` meets what the
-    consumer part reads of input `input_index`, consumer part first.
+    colocated: tuple[int, ...] | None = None,
+) -> tuple[tuple[int, int, int, int], ...]:
+    """(consumer part, producer part, forward elements, backward
+    elements) for every pair of parts that exchange data: the activation
+    the producer part holds of `output` that the consumer part receives
+    for input `input_index`, and the gradient sent back. Consumer part
+    first.
 
-    Why cached: it depends on the two configs' dims, not their devices,
-    and a search proposes far more placements than splits (NMT on k80x64:
-    the pairwise intersections were a third of the search's time). Ops
-    are immutable and hash by identity.
+    What moves is what DTensor moves, not only what a part reads: the
+    package turns DTensor's all-to-all relayouts off
+    (`settings.all_gather_relayouts`), so DTensor moves a tensor between
+    two layouts on its devices by gathering every dim whose split the
+    new layout does not keep, then slicing locally. A consumer part whose
+    device holds producer part `colocated[i]` (>= 0) therefore receives
+    its `gathered_region`, not only its input region (`edge_piece`
+    passes `colocated` for two configs on `one_mesh`): a move of a
+    4-device split from the channels to the batch brings the whole
+    tensor to every device, 4 times what the parts read. The gradient
+    goes back the same way where the consumer parts read disjoint
+    regions (a layout move); where they overlap (a replicated read) it
+    is a sum of partial gradients, sent as the regions met. A consumer
+    part on a device without a producer part (`colocated[i] < 0`, or
+    `colocated` None) receives its input region from each part holding
+    some of it, as FlexFlow moves it.
+
+    Why cached: it depends on the two configs' dims and on which parts
+    share a device, not on the devices themselves, and a search proposes
+    far more placements than splits (NMT on k80x64: the pairwise
+    intersections were a third of the search's time). Ops are immutable
+    and hash by identity.
     """
     held = partition.tensor_rects(producer, output, producer_dims)
     needs = [
@@ -210,16 +249,62 @@ def overlaps(
     have = np.array([r or ((0, 0),) * rank for r in held],
                     np.int64).reshape(len(held), rank, 2)
     need = np.array(needs, np.int64).reshape(len(needs), rank, 2)
-    # (consumer part, producer part, dim): the intersection's extent.
-    extent = np.minimum(need[:, None, :, 1], have[None, :, :, 1]) - (
-        np.maximum(need[:, None, :, 0], have[None, :, :, 0])
+    whole = np.array(
+        [(0, n) for n in consumer.input_shapes[input_index]], np.int64
+    ).reshape(rank, 2)
+    if colocated is None:
+        colocated = (-1,) * len(needs)
+    local = np.array(colocated, np.int64)
+    here = (local >= 0) & holds[np.maximum(local, 0)]
+    gets = need.copy()
+    gets[here] = gathered_region(need[here], have[local[here]], whole)
+    forward = _met(gets, have, holds)
+    backward = _met(need, have, holds)
+    if here.any() and _disjoint(need):
+        # Producer part j's device holds consumer part `back[j]`.
+        back = np.full(len(held), -1, np.int64)
+        back[local[here]] = np.nonzero(here)[0]
+        there = back >= 0
+        grads = have.copy()
+        grads[there] = gathered_region(have[there], need[back[there]], whole)
+        backward = _met(need, grads, holds).astype(np.int64)
+    pairs = np.nonzero((forward > 0) | (backward > 0))
+    return tuple(
+        (int(i), int(j), int(forward[i, j]), int(backward[i, j]))
+        for i, j in zip(*pairs)
+    )
+
+
+def gathered_region(
+    wanted: np.ndarray, local: np.ndarray, whole: np.ndarray
+) -> np.ndarray:
+    """What DTensor's all-gather relayout brings to a device: per dim,
+    the extent the device holds where the rectangle it wants lies inside
+    it (that split is kept, the slice is local), the whole dim otherwise
+    (the split moves or changes, so that dim is gathered first).
+    Rectangles are (..., rank, 2) arrays of (lo, hi)."""
+    kept = (wanted[..., 0] >= local[..., 0]) & (wanted[..., 1] <= local[..., 1])
+    return np.where(kept[..., None], local, whole)
+
+
+def _met(a: np.ndarray, b: np.ndarray, holds: np.ndarray) -> np.ndarray:
+    """(len(a), len(b)) elements of each `a` rectangle's intersection
+    with each `b` rectangle, 0 where `b` holds nothing."""
+    extent = np.minimum(a[:, None, :, 1], b[None, :, :, 1]) - (
+        np.maximum(a[:, None, :, 0], b[None, :, :, 0])
     )
     meet = (extent > 0).all(axis=2) & holds[None, :]
-    elements = np.where(meet, np.prod(np.maximum(extent, 0), axis=2), 0)
-    return tuple(
-        (int(i), int(j), int(elements[i, j]))
-        for i, j in zip(*np.nonzero(elements))
-    )
+    return np.where(meet, np.prod(np.maximum(extent, 0), axis=2), 0)
+
+
+def _disjoint(rects: np.ndarray) -> bool:
+    """True if no two of the rectangles share an element."""
+    n = len(rects)
+    if n < 2:
+        return True
+    met = _met(rects, rects, np.ones(n, bool))
+    np.fill_diagonal(met, 0)
+    return not met.any()
 
 
 def ring_allreduce_ms(

@@ -1,12 +1,14 @@
 """The task graph's pieces: what one op, one edge and one weight family
 add to a step (tasks, resources, dependencies, bytes and memory)."""
 
+import dataclasses
 import unittest
 
 from flexflow_keras import taskgraph
 from flexflow_keras.cost import CostModel
 from flexflow_keras.machine import load_machine
 from flexflow_keras.strategy import ParallelConfig
+from flexflow_keras.graph import ATTRIBUTE, SAMPLE, Op, OpGraph, TensorInfo
 from test_simulator import chain, dense_graph
 
 FLOAT = 4
@@ -32,9 +34,11 @@ class OpPieceTest(unittest.TestCase):
 
 class OverlapsTest(unittest.TestCase):
     def test_equal_to_every_pair_intersected(self):
-        """`overlaps` (cached, in numpy) finds exactly the part pairs, in
-        the order and with the sizes, of intersecting every producer
-        part's rectangle with every consumer part's input region, over
+        """Where no consumer part shares a device with a producer part,
+        `overlaps` (cached, in numpy) finds exactly the part pairs, in
+        the order and with the sizes (both ways), of intersecting every
+        producer part's rectangle with every consumer part's input
+        region, over
         each edge of a CNN, a Transformer block, DLRM and an LSTM's state
         outputs (several ranks, parts that hold nothing, splits of every
         dim)."""
@@ -55,7 +59,8 @@ class OverlapsTest(unittest.TestCase):
                     common = None if have is None else partition.intersect(
                         have, need)
                     if common is not None:
-                        found.append((i, j, partition.rect_size(common)))
+                        size = partition.rect_size(common)
+                        found.append((i, j, size, size))
             return tuple(found)
 
         def splits(rank):
@@ -94,6 +99,107 @@ class OverlapsTest(unittest.TestCase):
         self.assertGreater(checked, 500)
 
 
+def grid_chain(batch=8, features=100):
+    """x -> a -> b, elementwise ops of shape (batch, features) that may
+    split either dim (each reads its input's slice of both)."""
+    shape = (batch, features)
+    tensors = {"x": TensorInfo("x", shape, "float32")}
+    ops, src = [], "x"
+    for name in ("a", "b"):
+        ops.append(Op(name, "Relu", (src,), (f"{name}:0",), (shape,),
+                      (shape,), "float32",
+                      partitionable={0: SAMPLE, 1: ATTRIBUTE}))
+        src = f"{name}:0"
+        tensors[src] = TensorInfo(src, shape, "float32", name)
+    return OpGraph(tuple(ops), tensors, ("x",), (src,), batch)
+
+
+class GatheredMovesTest(unittest.TestCase):
+    """A move between two layouts on the same devices is priced as
+    DTensor runs it with its all-to-all relayouts off
+    (`settings.all_gather_relayouts`): every dim whose split changes is
+    gathered whole, then sliced on the device."""
+
+    def setUp(self):
+        self.graph, self.m = grid_chain(), load_machine("v100x4")
+        self.a, self.b = self.graph.ops
+        self.whole = 8 * 100 * FLOAT
+
+    def piece(self, producer, consumer):
+        return taskgraph.edge_piece(self.m, self.a, 0, producer, self.b, 1,
+                                    consumer, 0)
+
+    def received(self, piece, kind):
+        """Bytes each device receives in tasks of `kind`."""
+        got = {}
+        for label, ms in zip(piece.labels, piece.durations_ms):
+            if label[0] == kind:
+                to = int(label[2].split("->")[1])
+                got[to] = got.get(to, 0) + 1
+        return got
+
+    def test_rows_to_columns_gathers_the_whole_tensor_both_ways(self):
+        # Rows over 4 devices, then columns over the same 4: each device
+        # reads a quarter of its rows' columns from each other device
+        # (3/16 of the tensor), but DTensor gathers the rows first, so it
+        # receives the three other quarters whole (3/4), and the
+        # gradient's move back does the same.
+        devices = (0, 1, 2, 3)
+        piece = self.piece(ParallelConfig((4, 1), devices),
+                           ParallelConfig((1, 4), devices))
+        self.assertEqual(piece.comm_bytes, 2 * 4 * 3 / 4 * self.whole)
+        self.assertEqual(self.received(piece, taskgraph.XFER_FWD),
+                         {d: 3 for d in devices})
+        self.assertEqual(self.received(piece, taskgraph.XFER_BWD),
+                         {d: 3 for d in devices})
+        # Each device keeps what it received for the step.
+        self.assertEqual(sorted(piece.memory_bytes),
+                         [(d, self.whole / 4) for d in devices for _ in
+                          range(3)])
+
+    def test_a_kept_split_is_not_gathered(self):
+        # Rows over 2 x columns over 2, then rows over the same 2 rows'
+        # devices with columns whole: the rows' split is kept, only the
+        # columns are gathered, within each half of the rows.
+        piece = self.piece(ParallelConfig((2, 2), (0, 1, 2, 3)),
+                           ParallelConfig((2, 1), (0, 2)))
+        self.assertEqual(piece.comm_bytes, 2 * 2 * self.whole / 4)
+
+    def test_same_layout_moves_nothing(self):
+        config = ParallelConfig((1, 4), (0, 1, 2, 3))
+        piece = self.piece(config, config)
+        self.assertEqual(piece.durations_ms, ())
+        self.assertEqual(len(piece.deps), 8)
+
+    def test_a_replicated_read_sends_partial_gradients_as_read(self):
+        # The consumer reads its input whole on every part: forward an
+        # all-gather (3/4 of the tensor to each device), backward each
+        # part's partial gradient of a producer part's rows (a quarter
+        # from each of the 3 other devices), as the regions met.
+        producer = grid_chain().ops[0]
+        dense = dataclasses.replace(dense_graph(batch=8, features=100,
+                                                units=100).ops[0],
+                                    inputs=("a:0",))
+        devices = (0, 1, 2, 3)
+        piece = taskgraph.edge_piece(
+            self.m, producer, 0, ParallelConfig((4, 1), devices), dense, 1,
+            ParallelConfig((1, 4), devices), 0)
+        forward = sum(ms > 0 for label, ms in zip(piece.labels,
+                                                  piece.durations_ms)
+                      if label[0] == taskgraph.XFER_FWD)
+        self.assertEqual(forward, 12)
+        self.assertEqual(piece.comm_bytes,
+                         4 * 3 / 4 * self.whole + 4 * 3 / 4 * self.whole)
+
+    def test_on_other_devices_each_part_gets_what_it_reads(self):
+        # No consumer part shares a device with a producer part: each
+        # receives its region from the parts holding it (the runtime
+        # copies between meshes through a replicated value; unchanged).
+        piece = self.piece(ParallelConfig((2, 1), (0, 1)),
+                           ParallelConfig((1, 2), (2, 3)))
+        self.assertEqual(piece.comm_bytes, 2 * self.whole)
+
+
 class EdgePieceTest(unittest.TestCase):
     def setUp(self):
         self.graph, self.m = chain(batch=8, features=100), load_machine(
@@ -124,13 +230,17 @@ class EdgePieceTest(unittest.TestCase):
                          [(2, half), (3, half)])
         self.assertTrue(all(ms > 0 for ms in piece.durations_ms))
 
-    def test_regrouping_moves_only_the_intersections(self):
+    def test_regrouping_moves_the_intersections_and_gathers_back(self):
         # a split in 2 on 0,1; b split in 4 on 0..3: b's parts 0 and 2
-        # find their rows on their own device, 1 and 3 fetch them.
+        # find their rows on their own device, 1 and 3 fetch them. The
+        # gradient goes back gathered: device 0 holds b's rows 0-2 of a's
+        # 0-4, a split that changes, so it receives the 3 other quarters
+        # (so does device 1), as the runtime's move between two meshes
+        # brings every device the whole gradient.
         piece = self.piece(ParallelConfig((2, 1), (0, 1)),
                            ParallelConfig((4, 1), (0, 2, 1, 3)))
         quarter = 2 * 100 * FLOAT
-        self.assertEqual(piece.comm_bytes, 2 * 2 * quarter)
+        self.assertEqual(piece.comm_bytes, 2 * quarter + 2 * 3 * quarter)
 
 
 class FamilyPieceTest(unittest.TestCase):
