@@ -151,13 +151,10 @@ def edge_piece(
     sources, sinks = producer_config.device_ids, consumer_config.device_ids
     links: dict[tuple[int, int], tuple] = {}  # (from, to): route, resources
     deps, memory = b.deps, b.memory
-    colocated = None
-    if one_mesh(producer_config, consumer_config):
-        position = {device: j for j, device in enumerate(sources)}
-        colocated = tuple(position.get(device, -1) for device in sinks)
     for i, j, forward, backward in overlaps(
         producer, producer.outputs.index(tensor), producer_config.dims,
-        consumer, input_index, consumer_config.dims, colocated,
+        consumer, input_index, consumer_config.dims,
+        one_mesh(producer_config, consumer_config),
     ):
         dst, src = sinks[i], sources[j]
         a = (input_index << 12) | i
@@ -208,7 +205,7 @@ def one_mesh(a: ParallelConfig, b: ParallelConfig) -> bool:
 def overlaps(
     producer: Op, output: int, producer_dims: tuple[int, ...],
     consumer: Op, input_index: int, consumer_dims: tuple[int, ...],
-    colocated: tuple[int, ...] | None = None,
+    relaid: bool = False,
 ) -> tuple[tuple[int, int, int, int], ...]:
     """(consumer part, producer part, forward elements, backward
     elements) for every pair of parts that exchange data: the activation
@@ -216,25 +213,22 @@ def overlaps(
     for input `input_index`, and the gradient sent back. Consumer part
     first.
 
-    What moves is what DTensor moves, not only what a part reads: the
+    `relaid`: the two configs are on `one_mesh` (part i of each on one
+    device), so the runtime moves the tensor by a DTensor relayout. The
     package turns DTensor's all-to-all relayouts off
-    (`settings.all_gather_relayouts`), so DTensor moves a tensor between
-    two layouts on its devices by gathering every dim whose split the
-    new layout does not keep, then slicing locally. A consumer part whose
-    device holds producer part `colocated[i]` (>= 0) therefore receives
-    its `gathered_region`, not only its input region (`edge_piece`
-    passes `colocated` for two configs on `one_mesh`): a move of a
-    4-device split from the channels to the batch brings the whole
-    tensor to every device, 4 times what the parts read. The gradient
-    goes back the same way where the consumer parts read disjoint
-    regions (a layout move); where they overlap (a replicated read) it
-    is a sum of partial gradients, sent as the regions met. A consumer
-    part on a device without a producer part (`colocated[i] < 0`, or
-    `colocated` None) receives its input region from each part holding
-    some of it, as FlexFlow moves it.
+    (`settings.all_gather_relayouts`): DTensor gathers every dim whose
+    split the new layout does not keep, then slices locally, so consumer
+    part i receives the `gathered_region` of producer part i, not only
+    the region it reads (a move of a 4-device split from the channels to
+    the batch brings the whole tensor to every device, 4 times what the
+    parts read). The gradient goes back the same way where the consumer
+    parts read disjoint regions (a layout move); where they overlap (a
+    replicated read) it is a sum of partial gradients, sent as the
+    regions met. Otherwise each consumer part receives its input region
+    from each part holding some of it, as FlexFlow moves it.
 
-    Why cached: it depends on the two configs' dims and on which parts
-    share a device, not on the devices themselves, and a search proposes
+    Why cached: it depends on the two configs' dims, not their devices
+    (beyond `relaid`), and a search proposes
     far more placements than splits (NMT on k80x64: the pairwise
     intersections were a third of the search's time). Ops are immutable
     and hash by identity.
@@ -252,22 +246,17 @@ def overlaps(
     whole = np.array(
         [(0, n) for n in consumer.input_shapes[input_index]], np.int64
     ).reshape(rank, 2)
-    if colocated is None:
-        colocated = (-1,) * len(needs)
-    local = np.array(colocated, np.int64)
-    here = (local >= 0) & holds[np.maximum(local, 0)]
-    gets = need.copy()
-    gets[here] = gathered_region(need[here], have[local[here]], whole)
-    forward = _met(gets, have, holds)
-    backward = _met(need, have, holds)
-    if here.any() and _disjoint(need):
-        # Producer part j's device holds consumer part `back[j]`.
-        back = np.full(len(held), -1, np.int64)
-        back[local[here]] = np.nonzero(here)[0]
-        there = back >= 0
-        grads = have.copy()
-        grads[there] = gathered_region(have[there], need[back[there]], whole)
-        backward = _met(need, grads, holds).astype(np.int64)
+    forward = backward = _met(need, have, holds)
+    if relaid:
+        # Part i of each on one device; one that holds nothing of this
+        # output (another rank's, `tensor_rects`) gathers nothing.
+        gets = np.where(holds[:, None, None],
+                        gathered_region(need, have, whole), need)
+        forward = _met(gets, have, holds)
+        if _disjoint(need):
+            backward = _met(need, np.where(
+                holds[:, None, None], gathered_region(have, need, whole),
+                have), holds)
     pairs = np.nonzero((forward > 0) | (backward > 0))
     return tuple(
         (int(i), int(j), int(forward[i, j]), int(backward[i, j]))

@@ -99,19 +99,19 @@ class OverlapsTest(unittest.TestCase):
         self.assertGreater(checked, 500)
 
 
-def grid_chain(batch=8, features=100):
-    """x -> a -> b, elementwise ops of shape (batch, features) that may
-    split either dim (each reads its input's slice of both)."""
-    shape = (batch, features)
+def grid_chain(shape=(8, 100)):
+    """x -> a -> b, elementwise ops of `shape` that may split every dim
+    (each reads its input's slice of all of them)."""
     tensors = {"x": TensorInfo("x", shape, "float32")}
     ops, src = [], "x"
+    splits = {d: ATTRIBUTE for d in range(1, len(shape))}
     for name in ("a", "b"):
         ops.append(Op(name, "Relu", (src,), (f"{name}:0",), (shape,),
                       (shape,), "float32",
-                      partitionable={0: SAMPLE, 1: ATTRIBUTE}))
+                      partitionable={0: SAMPLE, **splits}))
         src = f"{name}:0"
         tensors[src] = TensorInfo(src, shape, "float32", name)
-    return OpGraph(tuple(ops), tensors, ("x",), (src,), batch)
+    return OpGraph(tuple(ops), tensors, ("x",), (src,), shape[0])
 
 
 class GatheredMovesTest(unittest.TestCase):
@@ -158,12 +158,19 @@ class GatheredMovesTest(unittest.TestCase):
                           range(3)])
 
     def test_a_kept_split_is_not_gathered(self):
-        # Rows over 2 x columns over 2, then rows over the same 2 rows'
-        # devices with columns whole: the rows' split is kept, only the
-        # columns are gathered, within each half of the rows.
-        piece = self.piece(ParallelConfig((2, 2), (0, 1, 2, 3)),
-                           ParallelConfig((2, 1), (0, 2)))
-        self.assertEqual(piece.comm_bytes, 2 * 2 * self.whole / 4)
+        # An (8, 10, 10) tensor, rows over one axis of a 2 x 2 mesh and
+        # columns over the other, then rows kept and the depth over the
+        # second axis: only the columns are gathered, within each half of
+        # the rows. Each part receives a quarter of the tensor (the part
+        # beside it in its row half), where it reads an eighth.
+        graph = grid_chain((8, 10, 10))
+        a, b = graph.ops
+        devices = (0, 1, 2, 3)
+        piece = taskgraph.edge_piece(
+            self.m, a, 0, ParallelConfig((2, 2, 1), devices), b, 1,
+            ParallelConfig((2, 1, 2), devices), 0)
+        whole = 8 * 10 * 10 * FLOAT
+        self.assertEqual(piece.comm_bytes, 2 * 4 * whole / 4)
 
     def test_same_layout_moves_nothing(self):
         config = ParallelConfig((1, 4), (0, 1, 2, 3))
@@ -230,17 +237,14 @@ class EdgePieceTest(unittest.TestCase):
                          [(2, half), (3, half)])
         self.assertTrue(all(ms > 0 for ms in piece.durations_ms))
 
-    def test_regrouping_moves_the_intersections_and_gathers_back(self):
+    def test_regrouping_moves_only_the_intersections(self):
         # a split in 2 on 0,1; b split in 4 on 0..3: b's parts 0 and 2
-        # find their rows on their own device, 1 and 3 fetch them. The
-        # gradient goes back gathered: device 0 holds b's rows 0-2 of a's
-        # 0-4, a split that changes, so it receives the 3 other quarters
-        # (so does device 1), as the runtime's move between two meshes
-        # brings every device the whole gradient.
+        # find their rows on their own device, 1 and 3 fetch them. Two
+        # meshes: priced as FlexFlow's regions (`taskgraph.one_mesh`).
         piece = self.piece(ParallelConfig((2, 1), (0, 1)),
                            ParallelConfig((4, 1), (0, 2, 1, 3)))
         quarter = 2 * 100 * FLOAT
-        self.assertEqual(piece.comm_bytes, 2 * quarter + 2 * 3 * quarter)
+        self.assertEqual(piece.comm_bytes, 2 * 2 * quarter)
 
 
 class FamilyPieceTest(unittest.TestCase):
