@@ -30,6 +30,7 @@ from flexflow_keras import partition
 from flexflow_keras.cost import CostModel
 from flexflow_keras.graph import Op, OpGraph
 from flexflow_keras.machine import MachineModel
+from flexflow_keras.search_space import mesh_key
 from flexflow_keras.strategy import ParallelConfig
 
 XFER_FWD, FWD, BWD, XFER_BWD, SYNC, UPDATE = range(6)
@@ -190,15 +191,13 @@ def edge_piece(
 
 def one_mesh(a: ParallelConfig, b: ParallelConfig) -> bool:
     """True if the runtime moves a tensor between the two configs inside
-    one DTensor mesh, by a relayout: their split degrees, in order, and
-    their devices are the same (`search_space.mesh_key`, the mesh the
-    layer-by-layer executor builds; `(4, 1)` and `(1, 4)` on the same
-    devices share one). Between other configs (two meshes, or two
-    blocks of an N-D mesh) the simulator keeps FlexFlow's region
-    transfers: docs/RUNTIME.md, "What a move between two layouts
-    costs"."""
-    return (a.device_ids == b.device_ids and
-            [d for d in a.dims if d > 1] == [d for d in b.dims if d > 1])
+    one DTensor mesh, by a relayout: they have the layer-by-layer
+    executor's same mesh (`search_space.mesh_key`: split degrees in
+    order, and devices; `(4, 1)` and `(1, 4)` on the same devices share
+    one). Between other configs (two meshes, or two blocks of an N-D
+    mesh) the simulator keeps FlexFlow's region transfers:
+    docs/RUNTIME.md, "What a move between two layouts costs"."""
+    return mesh_key(a) == mesh_key(b)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -246,17 +245,19 @@ def overlaps(
     whole = np.array(
         [(0, n) for n in consumer.input_shapes[input_index]], np.int64
     ).reshape(rank, 2)
-    forward = backward = _met(need, have, holds)
-    if relaid:
+    if not relaid:
+        forward = backward = _met(need, have, holds)
+    else:
         # Part i of each on one device; one that holds nothing of this
         # output (another rank's, `tensor_rects`) gathers nothing.
         gets = np.where(holds[:, None, None],
                         gathered_region(need, have, whole), need)
         forward = _met(gets, have, holds)
+        grads = have
         if _disjoint(need):
-            backward = _met(need, np.where(
-                holds[:, None, None], gathered_region(have, need, whole),
-                have), holds)
+            grads = np.where(holds[:, None, None],
+                             gathered_region(have, need, whole), have)
+        backward = _met(need, grads, holds)
     pairs = np.nonzero((forward > 0) | (backward > 0))
     return tuple(
         (int(i), int(j), int(forward[i, j]), int(backward[i, j]))

@@ -130,9 +130,9 @@ class GatheredMovesTest(unittest.TestCase):
                                     consumer, 0)
 
     def received(self, piece, kind):
-        """Bytes each device receives in tasks of `kind`."""
+        """Transfers of `kind` each device receives."""
         got = {}
-        for label, ms in zip(piece.labels, piece.durations_ms):
+        for label in piece.labels:
             if label[0] == kind:
                 to = int(label[2].split("->")[1])
                 got[to] = got.get(to, 0) + 1
