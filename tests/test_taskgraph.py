@@ -6,9 +6,9 @@ import unittest
 
 from flexflow_keras import taskgraph
 from flexflow_keras.cost import CostModel
+from flexflow_keras.graph import ATTRIBUTE, SAMPLE, Op, OpGraph, TensorInfo
 from flexflow_keras.machine import load_machine
 from flexflow_keras.strategy import ParallelConfig
-from flexflow_keras.graph import ATTRIBUTE, SAMPLE, Op, OpGraph, TensorInfo
 from test_simulator import chain, dense_graph
 
 FLOAT = 4
@@ -34,14 +34,13 @@ class OpPieceTest(unittest.TestCase):
 
 class OverlapsTest(unittest.TestCase):
     def test_equal_to_every_pair_intersected(self):
-        """Where no consumer part shares a device with a producer part,
+        """Between configs on two meshes (`relaid` False, the default),
         `overlaps` (cached, in numpy) finds exactly the part pairs, in
         the order and with the sizes (both ways), of intersecting every
         producer part's rectangle with every consumer part's input
-        region, over
-        each edge of a CNN, a Transformer block, DLRM and an LSTM's state
-        outputs (several ranks, parts that hold nothing, splits of every
-        dim)."""
+        region, over each edge of a CNN, a Transformer block, DLRM and
+        an LSTM's state outputs (several ranks, parts that hold nothing,
+        splits of every dim)."""
         import itertools
 
         import model_zoo
