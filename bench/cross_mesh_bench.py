@@ -34,11 +34,10 @@ from flexflow_keras import strategy_files, taskgraph  # noqa: E402
 
 def cross_mesh_bytes(graph, strategy) -> tuple[int, float, float]:
     """(edges, simulated bytes, runtime bytes) over cross-mesh edges."""
-    makers = {t: op for op in graph.ops for t in op.outputs}
     edges, simulated, moved = 0, 0.0, 0.0
     for consumer in graph.ops:
         for k, tensor in enumerate(consumer.inputs):
-            producer = makers.get(tensor)
+            producer = graph.producer(tensor)
             if producer is None:
                 continue
             source, sink = strategy[producer.name], strategy[consumer.name]

@@ -26,6 +26,7 @@ from tensorflow.experimental import dtensor
 
 import flexflow_keras  # noqa: F401  (makes the test devices)
 from flexflow_keras import settings
+from flexflow_keras.devices import device_names
 from flexflow_keras.strategy import ParallelConfig, Strategy
 from flexflow_keras.strategy_files import save_strategy
 from runtime_support import (
@@ -100,9 +101,8 @@ class AllToAllSwitchTest(unittest.TestCase):
         self.assertEqual(env, {settings.ALL_TO_ALL_RELAYOUT: "1"})
 
     def test_moves_between_inner_dims_and_their_gradients(self):
-        devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}"
-                   for i in range(4)]
-        mesh = dtensor.create_mesh([("a0", 2), ("a1", 2)], devices=devices)
+        mesh = dtensor.create_mesh([("a0", 2), ("a1", 2)],
+                                   devices=list(device_names()[:4]))
         whole = dtensor.Layout.replicated(mesh, 4)
         rng = np.random.default_rng(0)
         x = rng.normal(size=(4, 4, 4, 4)).astype(np.float32)
