@@ -3,8 +3,9 @@
 (A strategy on one mesh runs the model's own step: `model_step.py`.)
 Keras's default step, layer by layer: one forward and one backward
 function per segment (consecutive ops on one mesh; the backward
-recomputes its forward), chained eagerly through replicated copies, with
-the loss between them; see `layouts.py` for why.
+recomputes its forward), chained eagerly by region moves (`moves.py`:
+each device receives what it reads), with the loss between them; see
+`layouts.py` for why.
 Metrics and the loss tracker are updated by Keras's own code in a plain
 `tf.function` on the gathered outputs, so `compile(metrics=...)` behaves
 as in Keras.
@@ -32,7 +33,7 @@ from tensorflow.python.eager import context
 
 from flexflow_keras.keras_graph import fill_arguments, function_of
 from flexflow_keras.runtime import (
-    fresh_state, op_rules, rolled_rnn, unfed_step, unroll,
+    fresh_state, moves, op_rules, rolled_rnn, unfed_step, unroll,
 )
 from flexflow_keras.runtime.fallback import (
     collectives_aborted, fall_back, failed_while_running,
@@ -155,6 +156,7 @@ class Executor:
         self._watched: list = []
         self.updated = False  # some weights took the running train step
         self._fns: dict[tuple, Any] = {}
+        self._arrivals: dict[tuple, Any] = {}  # `_arrival`
         # Recurrent layers run rolled (`rolled_rnn`) until a first run
         # fails before any weight took the step (`_failed`).
         self.loops = unroll.Loops(plans)
@@ -381,12 +383,9 @@ class Executor:
         def forward(inputs):
             values = dict(zip(seg.inputs, inputs))
             self._run_segment(seg, values, training, sharded)
-            outputs = [
-                dtensor.relayout(
-                    values[t], replicated(seg.mesh, values[t].shape.rank)
-                )
-                for t in self._segment_outputs(index, values)
-            ]
+            # As laid out: a later segment takes its regions of them
+            # (`moves.move`).
+            outputs = [values[t] for t in self._segment_outputs(index, values)]
             penalty = self._penalty(seg)
             return outputs if penalty is None else outputs + [penalty]
 
@@ -418,10 +417,8 @@ class Executor:
             result, it = [], iter(grads[: len(floats)])
             for x in inputs:
                 g = next(it) if _is_float(x) else None
-                if g is not None:
-                    g = dtensor.relayout(
-                        g, replicated(seg.mesh, g.shape.rank)
-                    )
+                if isinstance(g, tf.IndexedSlices):
+                    g = tf.convert_to_tensor(g)
                 result.append(g)
             return result
 
@@ -480,7 +477,11 @@ class Executor:
 
     def _logits_of_outputs(self, values: dict) -> list:
         """Per model output, its logits from `values`, or None."""
-        return [values.get(_logits_name(t)) for t in self.graph.outputs]
+        return [
+            moves.gathered(values[_logits_name(t)])
+            if _logits_name(t) in values else None
+            for t in self.graph.outputs
+        ]
 
     # -- eager steps ----------------------------------------------------------
 
@@ -497,17 +498,37 @@ class Executor:
         values = dict(zip(self.graph.inputs, flat_x))
         seg_inputs = []
         for i, seg in enumerate(self.segments):
-            ins = tuple(_to_mesh(values[t], seg.mesh) for t in seg.inputs)
+            ins = tuple(
+                moves.move(values[t], self._arrival(i, t, values[t],
+                                                    variant[0]))
+                for t in seg.inputs
+            )
             seg_inputs.append(ins)
             outs = self._fn("forward", i, training, *variant)(ins)
             returned = self._returned(i)
             for t, v in zip(returned, outs[:len(returned)], strict=True):
-                values[t] = _local(v)
+                values[t] = v
             if len(outs) > len(returned):  # the segment's penalty
                 penalty = _local(outs[-1])
                 values[_PENALTY] = (values[_PENALTY] + penalty
                                     if _PENALTY in values else penalty)
         return values, seg_inputs
+
+    def _arrival(self, index: int, name: str, value: Any, sharded: bool):
+        """The layout tensor `name` enters segment `index` in: that of
+        its first reader there (`OpPlan.input_layout`), so each device
+        receives the region it reads, as the simulator prices a move
+        between meshes; a reader that wants another layout relays it
+        out on the mesh."""
+        key = (index, name, tuple(value.shape), sharded)
+        if key not in self._arrivals:
+            seg = self.segments[index]
+            self._arrivals[key] = next(
+                plan.input_layout(pos, tuple(value.shape), sharded)
+                for plan in seg.ops
+                for pos, read in enumerate(plan.op.inputs) if read == name
+            )
+        return self._arrivals[key]
 
     def _hyper(self, mesh):
         """[learning rate, step (1-based)] as a replicated DTensor.
@@ -543,7 +564,7 @@ class Executor:
 
     def _train_segments(self, flat_x, x, y, sw, variant):
         values, seg_inputs = self._forward_all(flat_x, True, variant)
-        y_pred = [values[t] for t in self.graph.outputs]
+        y_pred = [moves.gathered(values[t]) for t in self.graph.outputs]
         logits = self._logits_of_outputs(values)
         logs, dys = self._fn("loss")(x, y, y_pred, logits, sw,
                                      values.get(_PENALTY))
@@ -552,16 +573,19 @@ class Executor:
             _logits_name(t) for t, v in zip(self.graph.outputs, logits)
             if v is not None
         ]
+
+        def add(t, g):
+            # Every gradient of `t` in the layout `t` was made in.
+            g = moves.move(g, dtensor.fetch_layout(values[t]))
+            grads[t] = moves.added(grads[t], g) if t in grads else g
+
         for t, g in zip(graded, dys, strict=True):
             if g is not None:
-                grads[t] = grads[t] + g if t in grads else g
+                add(t, g)
         for i in reversed(range(len(self.segments))):
             seg = self.segments[i]
             out_grads = [
-                _to_mesh(
-                    grads[t] if t in grads else tf.zeros_like(values[t]),
-                    seg.mesh,
-                )
+                grads[t] if t in grads else moves.zeros_like(values[t])
                 for t in self._returned(i)
             ]
             in_grads = self._fn("backward", i, *variant)(
@@ -571,14 +595,13 @@ class Executor:
             for t, g in zip(seg.inputs, in_grads):
                 if g is None or t in self.graph.inputs:
                     continue
-                g = _local(g)
-                grads[t] = grads[t] + g if t in grads else g
+                add(t, g)
         return logs
 
     def test_batch(self, data) -> dict:
         x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
         values = self._predict_values(x)
-        y_pred = [values[t] for t in self.graph.outputs]
+        y_pred = [moves.gathered(values[t]) for t in self.graph.outputs]
         logits = self._logits_of_outputs(values)
         return self._fn("metrics")(x, y, y_pred, logits, sw,
                                    values.get(_PENALTY))
@@ -591,7 +614,8 @@ class Executor:
 
     def predict_batch(self, x) -> Any:
         values = self._predict_values(x)
-        return self._pack_outputs([values[t] for t in self.graph.outputs])
+        return self._pack_outputs(
+            [moves.gathered(values[t]) for t in self.graph.outputs])
 
     # -- Keras-facing functions ---------------------------------------------
 

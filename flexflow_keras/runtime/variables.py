@@ -17,7 +17,8 @@ from tensorflow.experimental import dtensor
 from tensorflow.python.eager import context
 from tensorflow.python.ops import gen_resource_variable_ops
 
-from flexflow_keras.runtime import fresh_state
+from flexflow_keras.runtime import fresh_state, moves
+from flexflow_keras.runtime.moves import replicate  # noqa: F401 (re-export)
 from flexflow_keras.runtime.layouts import OpPlan, replicated
 from flexflow_keras.runtime.tracing import step_function
 
@@ -52,55 +53,20 @@ def densified(value: Any) -> Any:
     return value
 
 
-def replicate(value: Any, mesh: Any) -> Any:
-    """A regular tensor as a replicated DTensor on `mesh` (eager).
-
-    `pack` of one copy per local device: it costs 0.03 ms against 0.18
-    ms for `copy_to_mesh` (a DTensor op of its own), measured on 4
-    virtual CPU devices; per batch input and per variable, that was a
-    visible part of a small model's step. In DTensor's multi-client mode
-    each client packs its own devices' copies (every client holds the
-    same value: the same script on the same data).
-    """
-    value = tf.convert_to_tensor(value)
-    layout = replicated(mesh, value.shape.rank)
-    local = mesh.local_devices()
-    if local:
-        return dtensor.pack([value] * len(local), layout)
-    return dtensor.copy_to_mesh(value, layout)
-
-
-def _blocks(layout: Any) -> list[tuple[tuple, bool]]:
+def _blocks(layout: Any, shape: Any) -> list[tuple[tuple, bool]]:
     """For each of this process's devices of `layout`'s mesh, in
-    `dtensor.unpack` order: the block of a tensor it holds (per dim, its
-    index along the mesh axis splitting that dim; None where no axis
-    does), and whether it is the first device holding that block (the
-    others hold copies: the mesh axes the layout leaves replicated)."""
-    mesh = layout.mesh
-    sizes = mesh.shape()
-    axes = [None if spec == dtensor.UNSHARDED else mesh.dim_names.index(spec)
-            for spec in layout.sharding_specs]
+    `dtensor.unpack` order: the part of a tensor of `shape` it holds (as
+    slices), and whether it is the first device holding that part (the
+    others hold copies: the mesh axes the layout leaves replicated).
+    The cut is `moves.grid_of`'s, the one rule of which device holds
+    what."""
+    grid = moves.grid_of(layout, shape)
     seen, found = set(), []
-    for device_id in mesh.local_device_ids():
-        where = np.unravel_index(device_id, sizes)
-        block = tuple(None if axis is None else int(where[axis])
-                      for axis in axes)
-        found.append((block, block not in seen))
+    for device, block in enumerate(grid.blocks):
+        found.append((tuple(slice(lo, hi) for lo, hi in grid.region(device)),
+                      block not in seen))
         seen.add(block)
     return found
-
-
-def _slices(shape: Any, block: tuple, layout: Any) -> tuple:
-    """The part of a tensor of `shape` that `block` covers."""
-    sizes = layout.mesh.shape()
-    parts = []
-    for dim, spec, index in zip(shape, layout.sharding_specs, block):
-        if index is None:
-            parts.append(slice(None))
-            continue
-        step = dim // sizes[layout.mesh.dim_names.index(spec)]
-        parts.append(slice(index * step, (index + 1) * step))
-    return tuple(parts)
 
 
 def components(dvar: Any) -> list:
@@ -134,9 +100,10 @@ def read_components(variables: list[tuple[Any, Any]]) -> list[Any]:
             values.append(_read(handles[0], dvar.dtype))
             continue
         whole = np.empty(dvar.shape, dvar.dtype.as_numpy_dtype)
-        for handle, (block, first) in zip(handles, _blocks(layout)):
+        for handle, (part, first) in zip(handles,
+                                         _blocks(layout, dvar.shape)):
             if first:
-                whole[_slices(dvar.shape, block, layout)] = _read(
+                whole[part] = _read(
                     handle, dvar.dtype).numpy()
         values.append(whole)
     return values
@@ -150,11 +117,11 @@ def write_components(variables: list[tuple[Any, Any, Any]]) -> None:
     for dvar, layout, value in variables:
         value = np.asarray(value)
         handles = components(dvar)
-        for handle, (block, _) in zip(handles, _blocks(layout)):
+        for handle, (part, _) in zip(handles, _blocks(layout, dvar.shape)):
             with tf.device(handle.device):
                 gen_resource_variable_ops.assign_variable_op(
                     handle, tf.convert_to_tensor(
-                        value[_slices(dvar.shape, block, layout)],
+                        value[part],
                         dvar.dtype))
     context.async_wait()
 
