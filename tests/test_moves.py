@@ -67,16 +67,25 @@ class MoveTest(unittest.TestCase):
                 self._check_parts(moved, layout)
                 self._check_parts(moves.move(moved, self.rows), self.rows)
 
-    def test_from_a_regular_tensor_and_whole_again(self):
+    def test_a_regular_tensor_is_packed_whole_and_gathered_back(self):
+        """A batch input or the loss's gradient goes whole onto each
+        device (one `pack`); the function reading it slices it there."""
         for layout in self.targets:
             moved = moves.move(tf.constant(self.x), layout)
-            self._check_parts(moved, layout)
-            np.testing.assert_array_equal(moves.gathered(moved).numpy(),
-                                          self.x)
+            self.assertTrue(dtensor.fetch_layout(moved).is_fully_replicated())
+            self.assertEqual(dtensor.fetch_layout(moved).mesh, layout.mesh)
+            np.testing.assert_array_equal(
+                moves.gathered([moved])[0].numpy(), self.x)
+
+    def test_gathered_whole(self):
+        value = _value(self.x, self.rows)
+        split = [moves.move(value, layout) for layout in self.targets]
+        for whole in moves.gathered(split + [tf.constant(self.x)]):
+            np.testing.assert_array_equal(whole.numpy(), self.x)
 
     def test_sum_and_zeros_part_by_part(self):
         layout = self.targets[1]
-        value = moves.move(tf.constant(self.x), layout)
+        value = moves.move(_value(self.x, self.rows), layout)
         self.x = 2 * self.x
         self._check_parts(moves.added(value, value), layout)
         self.x = np.zeros_like(self.x)
@@ -170,9 +179,11 @@ class SimulatorPricesTheMoveTest(unittest.TestCase):
 class ExecutorMovesRegionsTest(unittest.TestCase):
     def test_segments_receive_what_their_first_reader_reads(self):
         """Under ops alternating between devices (0, 1) and (2, 3), each
-        splitting the batch, every segment's inputs arrive split as their
-        first reader reads them (until 2026-11-29 they arrived whole on
-        every device), and the model trains as plain Keras does."""
+        splitting the batch, every segment's inputs made by another
+        segment arrive split as their first reader reads them (until
+        2026-11-29 they arrived whole on every device; the batch input
+        still does, sliced inside), and the model trains as plain Keras
+        does."""
         import runtime_support as support
 
         ref, model = support.build_pair("mlp")
@@ -193,6 +204,9 @@ class ExecutorMovesRegionsTest(unittest.TestCase):
                                                seg_inputs)):
             for name, value in zip(seg.inputs, ins):
                 layout = dtensor.fetch_layout(value)
+                if name in executor.graph.inputs:
+                    self.assertTrue(layout.is_fully_replicated())
+                    continue
                 self.assertEqual(layout.sharding_specs[0], "a0", name)
                 self.assertEqual(
                     layout, executor._arrival(index, name, value, True))

@@ -15,6 +15,11 @@ on the producer's mesh (an all-gather), took one device's copy and packed
 it onto every device of the consumer's mesh: 5.6 to 144 times the bytes
 priced, on the saved strategies (`bench/cross_mesh_bench.py`).
 
+The cuts and joins of one segment boundary run as one compiled function
+(`_copy_function`). A regular tensor (a batch input, the loss's
+gradient: outside the op graph the simulator prices) is packed whole
+onto each device (`replicate`), and the function reading it slices it.
+
 `copy_plan` is pure Python (no TensorFlow op), so the bench counts the
 bytes the runtime moves from the same plan the runtime follows.
 
@@ -32,6 +37,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from flexflow_keras.runtime.layouts import replicated
+from flexflow_keras.runtime.tracing import step_function
 
 UNSHARDED = dtensor.UNSHARDED
 
@@ -145,22 +151,13 @@ def _all_local(mesh: Any) -> bool:
     return len(mesh.local_devices()) == mesh.size
 
 
-def _parts(value: Any) -> tuple[list, Grid, list[str]]:
-    """A value's parts, its grid and its parts' devices."""
-    if dtensor.is_dtensor(value):
-        layout = dtensor.fetch_layout(value)
-        parts = dtensor.unpack(value)
-        return parts, grid_of(layout, value.shape), [p.device for p in parts]
-    return [value], whole(value.shape), [value.device]
-
-
-def _cut(part: Any, part_region: tuple, piece: Piece) -> Any:
+def _cut(part: Any, part_region: tuple, piece: Piece, device: str) -> Any:
     """`piece` of a source part, cut on the part's device."""
     lo = [b - r[0] for b, r in zip(piece.begin, part_region)]
     size = [e - b for b, e in zip(piece.begin, piece.end)]
     if all(s == r[1] - r[0] for s, r in zip(size, part_region)):
         return part
-    with tf.device(part.device):
+    with tf.device(device):
         return tf.slice(part, lo, size)
 
 
@@ -180,34 +177,94 @@ def _joined(cut: list, pieces: list[Piece], rank: int) -> Any:
     return result
 
 
+def _copy_function(moves: list[tuple], parts: list) -> Any:
+    """One compiled function making, for each (source grid, destination
+    grid, source devices, destination devices), every destination part
+    from the source parts (`copy_plan`), traced for `parts`. One call
+    per segment boundary, where eager slices and joins cost a dispatch
+    each (measured: 2-3 ms a move on 4 virtual CPU devices, a quarter of
+    a small MLP's step); the concrete function, called directly, skips
+    `tf.function`'s signature matching (0.75 ms a call, measured)."""
+    plans = [(copy_plan(src, dst, src_devices, dst_devices), src,
+              src_devices, dst_devices)
+             for src, dst, src_devices, dst_devices in moves]
+
+    def copy(all_parts):
+        everything = []
+        for parts, (plan, src, src_devices, dst_devices) in zip(all_parts,
+                                                                plans):
+            made = []
+            for part, pieces in enumerate(plan):
+                with tf.device(dst_devices[part]):
+                    cut = [_cut(parts[p.source], src.region(p.source), p,
+                                src_devices[p.source]) for p in pieces]
+                    made.append(_joined(cut, pieces, len(src.shape)))
+            everything.append(made)
+        return everything
+
+    return step_function(copy).get_concrete_function(parts)
+
+
+# Per call of `move_all` or `gathered`: ((source layout or device,
+# destination layout, shape, dtype), ...) -> its compiled copies.
+_COPIES: dict[tuple, Any] = {}
+
+
 def move(value: Any, layout: Any) -> Any:
     """`value` (a DTensor on any mesh, or a regular tensor) as a DTensor
-    of `layout`, each part made of the pieces its device reads.
+    of `layout`, each part made of the pieces its device reads
+    (`move_all` of one value)."""
+    (moved,) = move_all([value], [layout])
+    return moved
 
-    On the value's own mesh the move is left to DTensor (`relayout`:
-    what the simulator prices there, `taskgraph.one_mesh`).
+
+def move_all(values: Sequence[Any], layouts: Sequence[Any]) -> list:
+    """Each value as a DTensor of its layout, the copies between meshes
+    made by one compiled call (`_copy_function`). A regular tensor is
+    packed whole onto the layout's mesh (`replicate`), and the function
+    reading it takes its slice there.
+
+    On a value's own mesh the move is left to DTensor (`relayout`: what
+    the simulator prices there, `taskgraph.one_mesh`); where this
+    process lacks a device of either mesh, it goes through a replicated
+    copy (`_through_copy`).
     """
-    if dtensor.is_dtensor(value):
+    result: list = [None] * len(values)
+    copied, keys, held, sources = [], [], [], []
+    for index, (value, layout) in enumerate(zip(values, layouts)):
+        if not dtensor.is_dtensor(value):
+            # A batch input or the loss's gradient: whole on each device
+            # (one `pack`, no copy function); the function that reads it
+            # slices it locally.
+            result[index] = replicate(value, layout.mesh)
+            continue
         source = dtensor.fetch_layout(value)
         if source.mesh == layout.mesh:
-            if source == layout:
-                return value
-            return dtensor.relayout(value, layout)
+            result[index] = (value if source == layout
+                             else dtensor.relayout(value, layout))
+            continue
         if not (_all_local(source.mesh) and _all_local(layout.mesh)):
-            return _through_copy(value, layout)
-    elif not _all_local(layout.mesh):
-        return _through_copy(value, layout)
-    parts, src, src_devices = _parts(value)
-    dst = grid_of(layout, value.shape)
-    dst_devices = [d for d in layout.mesh.local_devices()]
-    plan = copy_plan(src, dst, src_devices, dst_devices)
-    made = []
-    for part, pieces in enumerate(plan):
-        with tf.device(dst_devices[part]):
-            cut = [_cut(parts[p.source], src.region(p.source), p)
-                   for p in pieces]
-            made.append(_joined(cut, pieces, len(src.shape)))
-    return dtensor.pack(made, layout)
+            result[index] = _through_copy(value, layout)
+            continue
+        copied.append(index)
+        held.append(dtensor.unpack(value))
+        sources.append(source)
+        keys.append((source.to_string(), layout.to_string(),
+                     tuple(value.shape), value.dtype))
+    if copied:
+        key = tuple(keys)
+        copy = _COPIES.get(key)
+        if copy is None:
+            copy = _COPIES[key] = _copy_function([
+                (grid_of(source, values[index].shape),
+                 grid_of(layouts[index], values[index].shape),
+                 [p.device for p in parts],
+                 layouts[index].mesh.local_devices())
+                for index, parts, source in zip(copied, held, sources)
+            ], held)
+        for index, made in zip(copied, copy(held)):
+            result[index] = dtensor.pack(made, layouts[index])
+    return result
 
 
 def _through_copy(value: Any, layout: Any) -> Any:
@@ -241,23 +298,41 @@ def replicate(value: Any, mesh: Any) -> Any:
     return dtensor.copy_to_mesh(value, layout)
 
 
-def gathered(value: Any) -> Any:
-    """A value whole, as a regular tensor on its first part's device (a
-    regular tensor is returned as is)."""
-    if not dtensor.is_dtensor(value):
-        return value
-    layout = dtensor.fetch_layout(value)
-    if layout.is_fully_replicated():
-        return dtensor.unpack(value)[0]
-    if not _all_local(layout.mesh):
-        return dtensor.unpack(dtensor.relayout(
-            value, replicated(layout.mesh, value.shape.rank)))[0]
-    parts, src, src_devices = _parts(value)
-    plan = copy_plan(src, whole(value.shape), src_devices, src_devices[:1])
-    with tf.device(src_devices[0]):
-        cut = [_cut(parts[p.source], src.region(p.source), p)
-               for p in plan[0]]
-        return _joined(cut, plan[0], len(src.shape))
+def gathered(values: Sequence[Any]) -> list:
+    """Each value whole, as a regular tensor on its first part's device
+    (a regular tensor as it is), the split ones joined by one compiled
+    call."""
+    result: list = list(values)
+    joined, keys, held = [], [], []
+    for index, value in enumerate(values):
+        if not dtensor.is_dtensor(value):
+            continue
+        layout = dtensor.fetch_layout(value)
+        if layout.is_fully_replicated():
+            result[index] = dtensor.unpack(value)[0]
+        elif not _all_local(layout.mesh):
+            result[index] = dtensor.unpack(dtensor.relayout(
+                value, replicated(layout.mesh, value.shape.rank)))[0]
+        else:
+            joined.append(index)
+            held.append(dtensor.unpack(value))
+            keys.append((layout.to_string(), "whole", tuple(value.shape),
+                         value.dtype))
+    if joined:
+        key = tuple(keys)
+        copy = _COPIES.get(key)
+        if copy is None:
+            moves = []
+            for index, parts in zip(joined, held):
+                value = values[index]
+                devices = [p.device for p in parts]
+                moves.append((grid_of(dtensor.fetch_layout(value),
+                                      value.shape),
+                              whole(value.shape), devices, devices[:1]))
+            copy = _COPIES[key] = _copy_function(moves, held)
+        for index, (made,) in zip(joined, copy(held)):
+            result[index] = made
+    return result
 
 
 def added(a: Any, b: Any) -> Any:

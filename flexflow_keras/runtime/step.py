@@ -475,13 +475,16 @@ class Executor:
         struct = function_of(self.model)._outputs_struct
         return tree.pack_sequence_as(struct, flat)
 
-    def _logits_of_outputs(self, values: dict) -> list:
-        """Per model output, its logits from `values`, or None."""
-        return [
-            moves.gathered(values[_logits_name(t)])
-            if _logits_name(t) in values else None
-            for t in self.graph.outputs
-        ]
+    def _gathered_outputs(self, values: dict) -> tuple[list, list]:
+        """The model's outputs, and per output its logits or None, each
+        gathered whole (`moves.gathered`) for the loss and metrics."""
+        outputs = list(self.graph.outputs)
+        logits = [_logits_name(t) for t in outputs
+                  if _logits_name(t) in values]
+        whole = dict(zip(outputs + logits, moves.gathered(
+            [values[t] for t in outputs + logits])))
+        return ([whole[t] for t in outputs],
+                [whole.get(_logits_name(t)) for t in outputs])
 
     # -- eager steps ----------------------------------------------------------
 
@@ -498,11 +501,11 @@ class Executor:
         values = dict(zip(self.graph.inputs, flat_x))
         seg_inputs = []
         for i, seg in enumerate(self.segments):
-            ins = tuple(
-                moves.move(values[t], self._arrival(i, t, values[t],
-                                                    variant[0]))
-                for t in seg.inputs
-            )
+            ins = tuple(moves.move_all(
+                [values[t] for t in seg.inputs],
+                [self._arrival(i, t, values[t], variant[0])
+                 for t in seg.inputs],
+            ))
             seg_inputs.append(ins)
             outs = self._fn("forward", i, training, *variant)(ins)
             returned = self._returned(i)
@@ -564,8 +567,7 @@ class Executor:
 
     def _train_segments(self, flat_x, x, y, sw, variant):
         values, seg_inputs = self._forward_all(flat_x, True, variant)
-        y_pred = [moves.gathered(values[t]) for t in self.graph.outputs]
-        logits = self._logits_of_outputs(values)
+        y_pred, logits = self._gathered_outputs(values)
         logs, dys = self._fn("loss")(x, y, y_pred, logits, sw,
                                      values.get(_PENALTY))
         grads: dict[str, Any] = {}
@@ -574,14 +576,17 @@ class Executor:
             if v is not None
         ]
 
-        def add(t, g):
-            # Every gradient of `t` in the layout `t` was made in.
-            g = moves.move(g, dtensor.fetch_layout(values[t]))
-            grads[t] = moves.added(grads[t], g) if t in grads else g
+        def add(names, gradients):
+            # Every gradient of a tensor in the layout it was made in.
+            kept = [(t, g) for t, g in zip(names, gradients, strict=True)
+                    if g is not None and t not in self.graph.inputs]
+            moved = moves.move_all(
+                [g for _, g in kept],
+                [dtensor.fetch_layout(values[t]) for t, _ in kept])
+            for (t, _), g in zip(kept, moved):
+                grads[t] = moves.added(grads[t], g) if t in grads else g
 
-        for t, g in zip(graded, dys, strict=True):
-            if g is not None:
-                add(t, g)
+        add(graded, dys)
         for i in reversed(range(len(self.segments))):
             seg = self.segments[i]
             out_grads = [
@@ -592,17 +597,13 @@ class Executor:
                 seg_inputs[i], out_grads, self._hyper(seg.mesh)
             )
             self.updated = True  # this segment's weights took the step
-            for t, g in zip(seg.inputs, in_grads):
-                if g is None or t in self.graph.inputs:
-                    continue
-                add(t, g)
+            add(seg.inputs, in_grads)
         return logs
 
     def test_batch(self, data) -> dict:
         x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
         values = self._predict_values(x)
-        y_pred = [moves.gathered(values[t]) for t in self.graph.outputs]
-        logits = self._logits_of_outputs(values)
+        y_pred, logits = self._gathered_outputs(values)
         return self._fn("metrics")(x, y, y_pred, logits, sw,
                                    values.get(_PENALTY))
 
@@ -614,8 +615,7 @@ class Executor:
 
     def predict_batch(self, x) -> Any:
         values = self._predict_values(x)
-        return self._pack_outputs(
-            [moves.gathered(values[t]) for t in self.graph.outputs])
+        return self._pack_outputs(self._gathered_outputs(values)[0])
 
     # -- Keras-facing functions ---------------------------------------------
 
