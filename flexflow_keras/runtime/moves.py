@@ -119,9 +119,9 @@ def copy_plan(src: Grid, dst: Grid,
         # Per dim, the source blocks the region crosses.
         per_dim = []
         for dim, (lo, hi) in enumerate(region):
-            step = src.shape[dim] // src.cuts[dim]
-            first, last = lo // step, (hi - 1) // step if hi > lo else lo // step
-            per_dim.append(range(first, last + 1))
+            step = max(src.shape[dim] // src.cuts[dim], 1)  # 1: empty dim
+            last = min(max(hi - 1, lo) // step, src.cuts[dim] - 1)
+            per_dim.append(range(min(lo // step, last), last + 1))
         pieces = []
         for block in itertools.product(*per_dim):
             begin = tuple(max(lo, src.interval(block, d)[0])
