@@ -24,10 +24,10 @@ def _mesh(shape, ids):
 
 def _value(x, layout):
     """`x` laid out on `layout` by DTensor itself."""
-    rank = len(x.shape)
-    return dtensor.relayout(replicate(x, layout.mesh), layout) \
-        if not layout.is_fully_replicated() or rank == 0 \
-        else replicate(x, layout.mesh)
+    packed = replicate(x, layout.mesh)
+    if layout.is_fully_replicated():
+        return packed
+    return dtensor.relayout(packed, layout)
 
 
 class MoveTest(unittest.TestCase):
