@@ -36,10 +36,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from flexflow_keras.runtime.layouts import replicated
+from flexflow_keras.runtime.layouts import UNSHARDED, replicated
 from flexflow_keras.runtime.tracing import step_function
-
-UNSHARDED = dtensor.UNSHARDED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +81,9 @@ def whole(shape: Sequence[int]) -> Grid:
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """One copy: `source` part's `[begin, end)` (global coordinates),
-    placed at `at` inside the destination part."""
+    """One copy: `source` part's `[begin, end)`, in the tensor's
+    coordinates (its place in the destination part follows from the
+    order of its plan's pieces, `copy_plan`)."""
 
     source: int
     begin: tuple[int, ...]
@@ -205,9 +204,21 @@ def _copy_function(moves: list[tuple], parts: list) -> Any:
     return step_function(copy).get_concrete_function(parts)
 
 
-# Per call of `move_all` or `gathered`: ((source layout or device,
-# destination layout, shape, dtype), ...) -> its compiled copies.
+# Per call of `move_all` or `gathered`: ((source layout, destination
+# layout or "whole", shape, dtype), ...) -> its compiled copies.
 _COPIES: dict[tuple, Any] = {}
+
+
+def _copied(keys: list[tuple], held: list[list], describe: Any) -> list:
+    """Each move's destination parts from its source parts `held`, by the
+    compiled copies of `keys` (`_COPIES`), made at the first call from
+    `describe()`: per move, (source grid, destination grid, source
+    devices, destination devices)."""
+    key = tuple(keys)
+    copy = _COPIES.get(key)
+    if copy is None:
+        copy = _COPIES[key] = _copy_function(describe(), held)
+    return copy(held)
 
 
 def move(value: Any, layout: Any) -> Any:
@@ -252,18 +263,14 @@ def move_all(values: Sequence[Any], layouts: Sequence[Any]) -> list:
         keys.append((source.to_string(), layout.to_string(),
                      tuple(value.shape), value.dtype))
     if copied:
-        key = tuple(keys)
-        copy = _COPIES.get(key)
-        if copy is None:
-            copy = _COPIES[key] = _copy_function([
-                (grid_of(source, values[index].shape),
-                 grid_of(layouts[index], values[index].shape),
-                 [p.device for p in parts],
-                 layouts[index].mesh.local_devices())
-                for index, parts, source in zip(copied, held, sources)
-            ], held)
-        for index, made in zip(copied, copy(held)):
-            result[index] = dtensor.pack(made, layouts[index])
+        made = _copied(keys, held, lambda: [
+            (grid_of(source, values[index].shape),
+             grid_of(layouts[index], values[index].shape),
+             [p.device for p in parts], layouts[index].mesh.local_devices())
+            for index, parts, source in zip(copied, held, sources)
+        ])
+        for index, parts in zip(copied, made):
+            result[index] = dtensor.pack(parts, layouts[index])
     return result
 
 
@@ -303,7 +310,7 @@ def gathered(values: Sequence[Any]) -> list:
     (a regular tensor as it is), the split ones joined by one compiled
     call."""
     result: list = list(values)
-    joined, keys, held = [], [], []
+    joined, keys, held, sources = [], [], [], []
     for index, value in enumerate(values):
         if not dtensor.is_dtensor(value):
             continue
@@ -316,22 +323,18 @@ def gathered(values: Sequence[Any]) -> list:
         else:
             joined.append(index)
             held.append(dtensor.unpack(value))
+            sources.append(layout)
             keys.append((layout.to_string(), "whole", tuple(value.shape),
                          value.dtype))
     if joined:
-        key = tuple(keys)
-        copy = _COPIES.get(key)
-        if copy is None:
-            moves = []
-            for index, parts in zip(joined, held):
-                value = values[index]
-                devices = [p.device for p in parts]
-                moves.append((grid_of(dtensor.fetch_layout(value),
-                                      value.shape),
-                              whole(value.shape), devices, devices[:1]))
-            copy = _COPIES[key] = _copy_function(moves, held)
-        for index, (made,) in zip(joined, copy(held)):
-            result[index] = made
+        made = _copied(keys, held, lambda: [
+            (grid_of(source, values[index].shape),
+             whole(values[index].shape), [p.device for p in parts],
+             [parts[0].device])
+            for index, parts, source in zip(joined, held, sources)
+        ])
+        for index, (one,) in zip(joined, made):
+            result[index] = one
     return result
 
 

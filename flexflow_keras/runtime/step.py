@@ -384,7 +384,7 @@ class Executor:
             values = dict(zip(seg.inputs, inputs))
             self._run_segment(seg, values, training, sharded)
             # As laid out: a later segment takes its regions of them
-            # (`moves.move`).
+            # (`moves.move_all`).
             outputs = [values[t] for t in self._segment_outputs(index, values)]
             penalty = self._penalty(seg)
             return outputs if penalty is None else outputs + [penalty]
