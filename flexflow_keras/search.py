@@ -56,10 +56,11 @@ from collections.abc import Callable
 from typing import Any
 
 from flexflow_keras.graph import OpGraph
-from flexflow_keras.report import search_report
 from flexflow_keras.mesh_space import (
     MeshSpec, mesh_configs, mesh_data_parallel, mesh_shapes,
 )
+from flexflow_keras.report import search_report
+from flexflow_keras.schedule import no_gc
 from flexflow_keras.search_space import (
     random_config, sweep_configs, tie_shared, weight_ties,
 )
@@ -251,49 +252,53 @@ def search(
                     lambda: progress(chain.iterations, chain.best_ms,
                                      data_parallel_ms, False))
     interrupted = False
-    try:
-        # The sweep (module docstring): each op tries its degree splits
-        # (`sweep_configs`, or its one-mesh configs); a faster one is
-        # kept at once, so the op ends on its fastest (all proposals for
-        # one op change that op alone). At most `sweep` of the budget.
-        limit = int(budget * sweep)
-        for op in sorted(ops, key=lambda op: -op.trainable_weight_bytes):
-            if chain.iterations >= limit:
-                break
-            names = ties.get(op.name, (op.name,))
-            if names[0] != op.name:
-                continue  # a shared layer's later call: its owner's turn
-            choices = mesh_choices.get(op.name) or sweep_configs(
-                op, num_devices
-            )
-            for config in choices:
+    # Python's cyclic GC paused for the chain: proposals allocate
+    # millions of tuples that hold no cycles, and the collections
+    # they set off walked every cached piece between proposals.
+    with no_gc():
+        try:
+            # The sweep (module docstring): each op tries its degree splits
+            # (`sweep_configs`, or its one-mesh configs); a faster one is
+            # kept at once, so the op ends on its fastest (all proposals for
+            # one op change that op alone). At most `sweep` of the budget.
+            limit = int(budget * sweep)
+            for op in sorted(ops, key=lambda op: -op.trainable_weight_bytes):
                 if chain.iterations >= limit:
                     break
-                step.try_config(names, config, greedy=True)
-        # FlexFlow's chain, for the rest of the budget.
-        while chain.iterations < budget:
-            if reset_every and (chain.iterations + 1) % reset_every == 0:
-                step.restart()
-            op = ops[rng.randrange(len(ops))]
-            names = ties.get(op.name, (op.name,))
-            config = None
-            if propagation and rng.random() < propagation:
-                config = _neighbour_config(graph, op, chain.current,
-                                           num_devices, rng)
-                if mesh_choices and config not in mesh_choices[op.name]:
-                    config = None
-            if config is None and mesh_choices:
-                choices = mesh_choices[op.name]
-                config = choices[rng.randrange(len(choices))]
-            elif config is None:
-                config = random_config(op, num_devices, rng)
-            if not step.try_config(names, config, greedy=False):
-                step.count(chain.cur_ms)  # not proposed: same iteration
-    except KeyboardInterrupt:
-        interrupted = True
-        if verbose:
-            out(f"Search interrupted after {chain.iterations} iterations; "
-                "keeping the best strategy found so far.")
+                names = ties.get(op.name, (op.name,))
+                if names[0] != op.name:
+                    continue  # a shared layer's later call: its owner's turn
+                choices = mesh_choices.get(op.name) or sweep_configs(
+                    op, num_devices
+                )
+                for config in choices:
+                    if chain.iterations >= limit:
+                        break
+                    step.try_config(names, config, greedy=True)
+            # FlexFlow's chain, for the rest of the budget.
+            while chain.iterations < budget:
+                if reset_every and (chain.iterations + 1) % reset_every == 0:
+                    step.restart()
+                op = ops[rng.randrange(len(ops))]
+                names = ties.get(op.name, (op.name,))
+                config = None
+                if propagation and rng.random() < propagation:
+                    config = _neighbour_config(graph, op, chain.current,
+                                               num_devices, rng)
+                    if mesh_choices and config not in mesh_choices[op.name]:
+                        config = None
+                if config is None and mesh_choices:
+                    choices = mesh_choices[op.name]
+                    config = choices[rng.randrange(len(choices))]
+                elif config is None:
+                    config = random_config(op, num_devices, rng)
+                if not step.try_config(names, config, greedy=False):
+                    step.count(chain.cur_ms)  # not proposed: same iteration
+        except KeyboardInterrupt:
+            interrupted = True
+            if verbose:
+                out(f"Search interrupted after {chain.iterations} iterations; "
+                    "keeping the best strategy found so far.")
     one_device_ms = math.nan
     if used is not None:
         one_device_ms = _ms(simulator.simulate(Strategy.data_parallel(

@@ -10,7 +10,7 @@ from typing import Any
 
 from flexflow_keras.machine import MachineModel
 from flexflow_keras.schedule import Compiled, Schedule
-from flexflow_keras.taskgraph import KIND_NAMES
+from flexflow_keras.taskgraph import KIND_NAMES, detail_text
 
 DEVICES_PID, LINKS_PID = 0, 1
 
@@ -44,7 +44,7 @@ def chrome_trace(
                 "tid": tid,
                 "ts": start_us,
                 "dur": dur_us,
-                "args": {"op": op, "detail": detail},
+                "args": {"op": op, "detail": detail_text(detail)},
             })
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 

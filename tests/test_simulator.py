@@ -496,6 +496,10 @@ class TraceTest(unittest.TestCase):
         self.assertEqual(len(spans), 6)  # fwd, bwd x 2, two transfers
         end_us = max(e["ts"] + e["dur"] for e in spans)
         self.assertAlmostEqual(end_us, 10.028 * 1e3)
+        # A transfer's detail names its tensor and its two devices.
+        moves = sorted(e["args"]["detail"].split(" ")[-1] for e in spans
+                       if e["cat"].startswith("xfer"))
+        self.assertEqual(moves, ["0->1", "1->0"])
 
     def test_written_trace_loads_back(self):
         graph = build_graph(model_zoo.mlp(), 16)

@@ -133,7 +133,7 @@ class GatheredMovesTest(unittest.TestCase):
         got = {}
         for label in piece.labels:
             if label[0] == kind:
-                to = int(label[2].split("->")[1])
+                to = label[2][2]  # (tensor, from, to)
                 got[to] = got.get(to, 0) + 1
         return got
 
