@@ -122,6 +122,11 @@ class MachineModel:
             bytes reduced; None: a ring over the links.
         call_overhead_ms: Cost of calling one compiled function on the
             devices (a strategy over several meshes makes more calls).
+        copy: (latency ms, GB/s) per piece of a region copied from one
+            mesh to another inside a node, where that is not a link
+            transfer of the same speed (virtual CPU devices: a memcpy,
+            not the DTensor all-gather the links are fitted to;
+            `calibration.py`); None: the links price it.
     """
 
     def __init__(
@@ -138,6 +143,7 @@ class MachineModel:
         step_overhead_ms: float = 0.0,
         allreduce: tuple[float, float] | None = None,
         call_overhead_ms: float = 0.0,
+        copy: tuple[float, float] | None = None,
     ):
         _check_shape(num_nodes, devices_per_node, nics_per_node)
         if compute_groups is not None and compute_groups < 1:
@@ -164,6 +170,7 @@ class MachineModel:
         self.step_overhead_ms = float(step_overhead_ms)
         self.allreduce = allreduce
         self.call_overhead_ms = float(call_overhead_ms)
+        self.copy = copy
         self.intra, self.inter = intra, inter
         self.devices = tuple(
             dataclasses.replace(device, node=i // devices_per_node)
@@ -171,6 +178,10 @@ class MachineModel:
         )
         self.links: tuple[LinkSpec, ...] = ()
         self._routes = self._build_routes()
+        self._copy_routes = self._routes if copy is None else [
+            [self._copy_of(s, d, r) for d, r in enumerate(row)]
+            for s, row in enumerate(self._routes)
+        ]
         # Per (src, dst): the scheduler resources a transfer holds. Made
         # once: a search of NMT on k80x64 asked for them ~900,000 times.
         self._route_resources = [
@@ -210,6 +221,20 @@ class MachineModel:
     def route(self, src: int, dst: int) -> Route:
         """The route from device `src` to device `dst` (src != dst)."""
         return self._routes[src][dst]
+
+    def copy_route(self, src: int, dst: int) -> Route:
+        """The route of a region copied between two meshes (src != dst):
+        `route`'s links at the `copy` figures inside a node, `route`
+        itself where there are none or the copy leaves the node."""
+        return self._copy_routes[src][dst]
+
+    def _copy_of(self, src: int, dst: int, route: Route | None):
+        if route is None or (
+            self.devices[src].node != self.devices[dst].node
+        ):
+            return route
+        latency_ms, gbps = self.copy
+        return Route(route.links, gbps, latency_ms)
 
     def link_resources(self, links) -> tuple[int, ...]:
         """The scheduler's resource ids of `links` (indices into
@@ -480,6 +505,7 @@ def live_machine() -> MachineModel:
             measured.allreduce_latency_ms, measured.allreduce_gbps
         ),
         call_overhead_ms=measured.call_overhead_ms,
+        copy=(measured.copy_latency_ms, measured.copy_gbps),
     )
 
 

@@ -166,15 +166,19 @@ def edge_piece(
     name = consumer.name
     dur, res, prio, labels = b.dur, b.res, b.prio, b.labels
     deps, memory = b.deps, b.memory
-    route, resources_of = machine.route, machine.route_resources
+    relaid = one_mesh(producer_config, consumer_config)
+    # Between meshes the runtime copies regions (`runtime/moves.py`),
+    # on one mesh DTensor relays out: `MachineModel.copy` prices the
+    # former where it differs from the links.
+    route = machine.route if relaid else machine.copy_route
+    resources_of = machine.route_resources
     comm = 0
     # priority(c, kind, (input_index << 12) | i, j), kind by kind.
     forward_key = priority(c, XFER_FWD, input_index << 12)
     backward_key = priority(c, XFER_BWD, input_index << 12)
     for i, j, forward, backward in overlaps(
         producer, producer.outputs.index(tensor), producer_config.dims,
-        consumer, input_index, consumer_config.dims,
-        one_mesh(producer_config, consumer_config),
+        consumer, input_index, consumer_config.dims, relaid,
     ):
         dst, src = sinks[i], sources[j]
         if src == dst:

@@ -19,6 +19,7 @@ from flexflow_keras.keras_graph import build_graph
 from flexflow_keras.machine import LinkGroup, MachineModel, load_machine
 from flexflow_keras.simulator import Simulator
 from flexflow_keras.strategy import ParallelConfig, Strategy
+from flexflow_keras import taskgraph
 from flexflow_keras.taskgraph import ring_allreduce_ms
 
 
@@ -75,7 +76,8 @@ class FixedCostsTest(unittest.TestCase):
 
 class SeveralMeshesTest(unittest.TestCase):
     """On the live machine, a strategy over several meshes pays two calls
-    per segment and recomputes every forward (runtime/step.py)."""
+    per segment, two copy calls into each segment after the first, and
+    recomputes every forward (runtime/step.py)."""
 
     def split_strategy(self, graph):
         configs = {}
@@ -104,8 +106,9 @@ class SeveralMeshesTest(unittest.TestCase):
             sim.cost.op_cost(op, strategy[op.name], d)[0]
             for op in graph for d in strategy[op.name].device_ids
         )
+        # Three segments: 2 x 3 - 1 step functions, 2 x 2 copy calls.
         self.assertAlmostEqual(
-            several.step_ms - preset.step_ms, 5 * 1.0 + recompute, places=6
+            several.step_ms - preset.step_ms, 9 * 1.0 + recompute, places=6
         )
 
     def test_delta_simulation_prices_it_alike(self):
@@ -121,6 +124,63 @@ class SeveralMeshesTest(unittest.TestCase):
             name: strategy[name],
         }))
         self.assertEqual(delta.step_ms, full.step_ms)
+
+
+class RegionCopiesTest(unittest.TestCase):
+    """Between meshes the runtime copies regions with plain ops
+    (runtime/moves.py), which the live machine prices by its measured
+    `copy` figures; on one mesh DTensor relays out, priced by the links
+    (fitted to its all-gathers)."""
+
+    def edge(self, m, producer, consumer):
+        graph = build_graph(model_zoo.mlp(), 64)
+        a, b = graph.ops[0], graph.ops[1]
+        piece = taskgraph.edge_piece(m, a, 0, producer(a), b, 1,
+                                     consumer(b), 0)
+        forward = [(ms, label[2]) for ms, label in
+                   zip(piece.durations_ms, piece.labels)
+                   if label[0] == taskgraph.XFER_FWD]
+        return forward, a.output_bytes
+
+    def test_copies_between_meshes_take_the_copy_figures(self):
+        m = machine(copy=(0.05, 4.0))
+        rows = lambda op: ParallelConfig(  # noqa: E731
+            (2,) + (1,) * (op.rank - 1), (0, 1))
+        other = lambda op: ParallelConfig(  # noqa: E731
+            (2,) + (1,) * (op.rank - 1), (2, 3))
+        forward, whole = self.edge(m, rows, other)
+        self.assertEqual(len(forward), 2)  # part i: device i -> 2 + i
+        for ms, (_, frm, to) in forward:
+            self.assertEqual(to, frm + 2)
+            self.assertAlmostEqual(ms, 0.05 + whole / 2 / 4e9 * 1e3)
+        # Without the figures, the links price the same pieces.
+        linked, _ = self.edge(machine(), rows, other)
+        for ms, _ in linked:
+            self.assertAlmostEqual(ms, 0.01 + whole / 2 / 10e9 * 1e3)
+
+    def test_relayouts_on_one_mesh_keep_the_links(self):
+        m = machine(copy=(0.05, 4.0))
+        rows = lambda op: ParallelConfig(  # noqa: E731
+            (4,) + (1,) * (op.rank - 1), (0, 1, 2, 3))
+        columns = lambda op: ParallelConfig(  # noqa: E731
+            (1,) * (op.rank - 1) + (4,), (0, 1, 2, 3))
+        forward, _ = self.edge(m, columns, rows)
+        linked, _ = self.edge(machine(), columns, rows)
+        self.assertEqual(len(forward), 12)  # every part from every other
+        self.assertEqual(forward, linked)
+
+    def test_copies_leaving_a_node_keep_the_network(self):
+        base = load_machine("v100x4")
+        m = MachineModel(
+            "two", base.devices[0], 2, 2, LinkGroup("host", 10.0, 0.01),
+            LinkGroup("ethernet", 1.0, 0.5), copy=(0.05, 4.0),
+        )
+        self.assertEqual(m.copy_route(0, 2), m.route(0, 2))
+        inside = m.copy_route(0, 1)
+        self.assertEqual(inside.links, m.route(0, 1).links)
+        self.assertEqual((inside.latency_ms, inside.bandwidth_gbps),
+                         (0.05, 4.0))
+        self.assertEqual(machine().copy_route(0, 1), machine().route(0, 1))
 
 
 class ReplicatedOnTheMeshTest(unittest.TestCase):
@@ -170,7 +230,7 @@ class CalibrationCacheTest(unittest.TestCase):
         self.addCleanup(folder.cleanup)
         self.path = os.path.join(folder.name, "live.json")
         self.found = calibration.Calibration(
-            1, 0.1, 2.0, 0.2, 1.5, 0.4, 3.0, 0.02, 8.0
+            1, 0.1, 2.0, 0.2, 1.5, 0.4, 3.0, 0.02, 8.0, 0.05, 4.0
         )
 
     def test_measured_once_then_read(self):
@@ -201,9 +261,10 @@ class CalibrationCacheTest(unittest.TestCase):
         self.assertTrue(1 <= found.compute_groups <= len(names))
         for value in (found.link_gbps, found.allreduce_gbps,
                       found.call_overhead_ms, found.step_overhead_ms,
-                      found.update_gbps):
+                      found.update_gbps, found.copy_gbps):
             self.assertGreater(value, 0)
         self.assertGreaterEqual(found.link_latency_ms, 0)
+        self.assertGreaterEqual(found.copy_latency_ms, 0)
         self.assertGreaterEqual(found.allreduce_latency_ms, 0)
 
 
