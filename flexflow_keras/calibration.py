@@ -21,8 +21,9 @@ on them (like op costs, and cached on disk the same way):
   compiled function; plain TensorFlow ops, no DTensor collective).
   Fitted per piece to a tensor split by rows on half the devices moved
   to a split by columns on the other half, at two sizes. On virtual CPU
-  devices such a copy is a memcpy, 20-100x faster than the DTensor
-  all-gather the link figures are fitted to (measured 2026-11-29).
+  devices such a copy is a memcpy, about 8-20x faster than the
+  DTensor all-gather the link figures are fitted to (measured
+  2026-11-29).
 - `allreduce_gbps`, `allreduce_latency_ms`: a DTensor all-reduce (a sum
   over the split batch made replicated: a weight gradient under data
   parallelism), fitted the same way by the bytes of the result. DTensor

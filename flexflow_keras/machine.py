@@ -228,7 +228,9 @@ class MachineModel:
         itself where there are none or the copy leaves the node."""
         return self._copy_routes[src][dst]
 
-    def _copy_of(self, src: int, dst: int, route: Route | None):
+    def _copy_of(
+        self, src: int, dst: int, route: Route | None
+    ) -> Route | None:
         if route is None or (
             self.devices[src].node != self.devices[dst].node
         ):
