@@ -288,14 +288,15 @@ class Simulator:
     def _several_meshes_ms(self, configs: dict) -> float:
         """What the runtime pays beyond the task graph for a strategy over
         several meshes (`runtime/step.py`): one forward and one backward
-        function per segment (consecutive ops on one mesh), and into each
-        segment after the first one call of the compiled copy function
-        that brings its inputs from another mesh and one that sends
-        their gradients back (`runtime/moves.py`; their pieces are
-        tasks, priced by `MachineModel.copy`), each call
-        `MachineModel.call_overhead_ms`; and every backward recomputes
-        its forward (added on the busiest compute resource: exact when
-        the devices share one, as virtual CPU devices do)."""
+        function per segment (consecutive ops on one mesh), the gather of
+        the outputs and the loss function, and into each segment after
+        the first one call of the compiled copy function that brings its
+        inputs from another mesh and one that sends their gradients back
+        (`runtime/moves.py`; their pieces are tasks, priced by
+        `MachineModel.copy`): each call `MachineModel.call_overhead_ms`,
+        less the one `step_overhead_ms` holds; and every backward
+        recomputes its forward (added on the busiest compute resource:
+        exact when the devices share one, as virtual CPU devices do)."""
         meshes = [mesh_key(configs[op.name]) for op in self._ops]
         segments = 1 + sum(a != b for a, b in zip(meshes, meshes[1:]))
         recompute: dict[int, float] = collections.defaultdict(float)
@@ -304,7 +305,7 @@ class Simulator:
             for device in config.device_ids:
                 forward_ms, _ = self.cost.op_cost(op, config, device)
                 recompute[self.machine.compute_resource(device)] += forward_ms
-        functions, copies = 2 * segments - 1, 2 * (segments - 1)
+        functions, copies = 2 * segments + 2 - 1, 2 * (segments - 1)
         calls = (functions + copies) * self.machine.call_overhead_ms
         return calls + max(recompute.values(), default=0.0)
 
