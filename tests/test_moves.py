@@ -118,6 +118,44 @@ class MoveTest(unittest.TestCase):
                             ["0"])
 
 
+def _edges_between_meshes():
+    """(producer, output index, consumer, input index, producer config,
+    consumer config, the executor's layout of the producer's output and
+    of the consumer's input, the input's shape) for every edge between
+    two meshes of 6 random strategies each of a CNN, a Transformer
+    block and DLRM on the attached devices."""
+    names = devices.device_names()
+    meshes = layouts.MeshCache(names)
+    rng = random.Random(0)
+    for model in (model_zoo.cnn(), model_zoo.transformer_block(),
+                  model_zoo.dlrm()):
+        graph = build_graph(model, 8)
+        for _ in range(6):
+            strategy = search_space.random_strategy(graph, len(names), rng)
+            try:
+                plans = {p.op.name: p for p in layouts.plan_ops(
+                    graph, strategy, meshes)}
+            except (ValueError, NotImplementedError):
+                continue  # untied shared calls: refused, not moved
+            for consumer in graph.ops:
+                for k, tensor in enumerate(consumer.inputs):
+                    producer = graph.producer(tensor)
+                    if producer is None:
+                        continue
+                    source = strategy[producer.name]
+                    sink = strategy[consumer.name]
+                    if taskgraph.one_mesh(source, sink):
+                        continue
+                    out = producer.outputs.index(tensor)
+                    shape = tuple(consumer.input_shapes[k])
+                    yield (producer, out, consumer, k, source, sink,
+                           plans[producer.name].output_layout(
+                               out, len(shape), True),
+                           plans[consumer.name].input_layout(
+                               k, shape, True),
+                           shape)
+
+
 class SimulatorPricesTheMoveTest(unittest.TestCase):
     def test_copied_elements_equal_the_simulated_regions(self):
         """For every edge between two meshes of random strategies of a
@@ -126,53 +164,47 @@ class SimulatorPricesTheMoveTest(unittest.TestCase):
         executor gives the producer's output and the consumer's input)
         equal those the simulator's region transfers move
         (`taskgraph.overlaps`)."""
-        names = devices.device_names()
-        meshes = layouts.MeshCache(names)
-        rng = random.Random(0)
         checked = 0
-        for model in (model_zoo.cnn(), model_zoo.transformer_block(),
-                      model_zoo.dlrm()):
-            graph = build_graph(model, 8)
-            for _ in range(6):
-                strategy = search_space.random_strategy(graph, len(names),
-                                                        rng)
-                try:
-                    plans = {p.op.name: p for p in layouts.plan_ops(
-                        graph, strategy, meshes)}
-                except (ValueError, NotImplementedError):
-                    continue  # untied shared calls: refused, not moved
-                for consumer in graph.ops:
-                    for k, tensor in enumerate(consumer.inputs):
-                        producer = graph.producer(tensor)
-                        if producer is None:
-                            continue
-                        source = strategy[producer.name]
-                        sink = strategy[consumer.name]
-                        if taskgraph.one_mesh(source, sink):
-                            continue
-                        out = producer.outputs.index(tensor)
-                        shape = tuple(consumer.input_shapes[k])
-                        src_layout = plans[producer.name].output_layout(
-                            out, len(shape), True)
-                        dst_layout = plans[consumer.name].input_layout(
-                            k, shape, True)
-                        src_names = src_layout.mesh.local_devices()
-                        dst_names = dst_layout.mesh.local_devices()
-                        plan = moves.copy_plan(
-                            moves.grid_of(src_layout, shape),
-                            moves.grid_of(dst_layout, shape),
-                            src_names, dst_names)
-                        copied = moves.moved_elements(plan, src_names,
-                                                      dst_names)
-                        priced = sum(
-                            forward for i, j, forward, _ in
-                            taskgraph.overlaps(producer, out, source.dims,
-                                               consumer, k, sink.dims)
-                            if sink.device_ids[i] != source.device_ids[j])
-                        self.assertEqual(copied, priced,
-                                         (producer.name, consumer.name,
-                                          source, sink))
-                        checked += 1
+        for (producer, out, consumer, k, source, sink, src_layout,
+             dst_layout, shape) in _edges_between_meshes():
+            src_names = src_layout.mesh.local_devices()
+            dst_names = dst_layout.mesh.local_devices()
+            plan = moves.copy_plan(
+                moves.grid_of(src_layout, shape),
+                moves.grid_of(dst_layout, shape),
+                src_names, dst_names)
+            copied = moves.moved_elements(plan, src_names, dst_names)
+            priced = sum(
+                forward for i, j, forward, _ in
+                taskgraph.overlaps(producer, out, source.dims,
+                                   consumer, k, sink.dims)
+                if sink.device_ids[i] != source.device_ids[j])
+            self.assertEqual(copied, priced,
+                             (producer.name, consumer.name, source, sink))
+            checked += 1
+        self.assertGreater(checked, 30)
+
+    def test_the_byte_bench_cuts_as_the_executor_lays_out(self):
+        """`bench/cross_mesh_bench.py` counts 16- and 64-device strategies
+        without building their meshes, from a pure-Python mirror of how
+        a config's mesh cuts a tensor (`config_grid`); on the attached
+        devices its grids equal those of the executor's real layouts."""
+        import cross_mesh_bench
+        from flexflow_keras import partition
+
+        checked = 0
+        for (producer, out, consumer, k, source, sink, src_layout,
+             dst_layout, shape) in _edges_between_meshes():
+            out_split = {d for d in range(len(shape)) if out == 0 or d == 0}
+            self.assertEqual(
+                cross_mesh_bench.config_grid(shape, source.dims, out_split),
+                moves.grid_of(src_layout, shape), (producer.name, source))
+            self.assertEqual(
+                cross_mesh_bench.config_grid(
+                    shape, sink.dims,
+                    partition.split_input_dims(consumer, k, shape)),
+                moves.grid_of(dst_layout, shape), (consumer.name, sink))
+            checked += 1
         self.assertGreater(checked, 30)
 
 
