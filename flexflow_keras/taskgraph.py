@@ -153,8 +153,9 @@ def edge_piece(
     nothing moves one way, a plain dependency. A transfer's label detail
     is (tensor, from, to), formatted only for traces (`detail_text`).
 
-    Why the loop is written out (no `_Builder.task`, no `priority`
-    call, priorities from per-kind keys): between two meshes of 64
+    Why `transfer` appends to the builder's lists itself (no
+    `_Builder.task`, no `priority` call, priorities from per-kind keys,
+    routes' resources made once per machine): between two meshes of 64
     devices one piece holds up to 8,192 transfers, and building them was
     about half of NMT on k80x64's search."""
     b = _Builder()
@@ -172,10 +173,28 @@ def edge_piece(
     # former where it differs from the links.
     route = machine.route if relaid else machine.copy_route
     resources_of = machine.route_resources
-    comm = 0
     # priority(c, kind, (input_index << 12) | i, j), kind by kind.
     forward_key = priority(c, XFER_FWD, input_index << 12)
     backward_key = priority(c, XFER_BWD, input_index << 12)
+
+    def transfer(kind, prio_key, frm, to, elements, after, before):
+        """`elements` moved from device `frm` to `to` after task `after`,
+        before task `before`; nothing moved: a plain dependency. Returns
+        the bytes."""
+        if not elements:
+            deps.append(after + before)
+            return 0
+        num_bytes = elements * itemsize
+        t = len(dur)
+        dur.append(route(frm, to).transfer_ms(num_bytes))
+        res.append(resources_of(frm, to))
+        prio.append(prio_key)
+        labels.append((kind, name, (tensor, frm, to)))
+        deps.append(after + (SELF, t))
+        deps.append((SELF, t) + before)
+        return num_bytes
+
+    comm = 0
     for i, j, forward, backward in overlaps(
         producer, producer.outputs.index(tensor), producer_config.dims,
         consumer, input_index, consumer_config.dims, relaid,
@@ -186,31 +205,12 @@ def edge_piece(
             deps.append((c, n_c + i, p, n_p + j))
             continue
         pair = (i << 22) | j
-        if forward:
-            num_bytes = forward * itemsize
-            t = len(dur)
-            dur.append(route(src, dst).transfer_ms(num_bytes))
-            res.append(resources_of(src, dst))
-            prio.append(forward_key | pair)
-            labels.append((XFER_FWD, name, (tensor, src, dst)))
-            deps.append((p, j, SELF, t))
-            deps.append((SELF, t, c, i))
-            comm += num_bytes
-            memory.append((dst, float(num_bytes)))
-        else:
-            deps.append((p, j, c, i))
-        if backward:
-            num_bytes = backward * itemsize
-            t = len(dur)
-            dur.append(route(dst, src).transfer_ms(num_bytes))
-            res.append(resources_of(dst, src))
-            prio.append(backward_key | pair)
-            labels.append((XFER_BWD, name, (tensor, dst, src)))
-            deps.append((c, n_c + i, SELF, t))
-            deps.append((SELF, t, p, n_p + j))
-            comm += num_bytes
-        else:
-            deps.append((c, n_c + i, p, n_p + j))
+        moved = transfer(XFER_FWD, forward_key | pair, src, dst, forward,
+                         (p, j), (c, i))
+        if moved:
+            memory.append((dst, float(moved)))
+        comm += moved + transfer(XFER_BWD, backward_key | pair, dst, src,
+                                 backward, (c, n_c + i), (p, n_p + j))
     b.comm = float(comm)
     return b.piece()
 
