@@ -90,6 +90,24 @@ def _res1_npred(piece: Piece) -> tuple[list[int], list[int]]:
     return found
 
 
+def _resolved(
+    deps: tuple[tuple[int, int, int, int], ...], base: int,
+    op_base: list[int],
+) -> list[tuple[int, int]]:
+    """(source id, destination id) of each of a piece's dependencies
+    (`Piece.deps`), the piece's first task at id `base` and op i's piece
+    at `op_base[i]` (`Compiled._op_base`). A list made in one
+    comprehension: through a generator, NMT on k80x64's delta
+    simulations (tens of thousands of transfers' dependencies) spent a
+    fifth of its search resuming it, and a full simulation of
+    InceptionV3 was ~12% slower."""
+    return [
+        ((base if so == SELF else op_base[so]) + sl,
+         (base if do == SELF else op_base[do]) + dl)
+        for so, sl, do, dl in deps
+    ]
+
+
 class Compiled:
     """A task graph in flat lists indexed by stable task ids."""
 
@@ -127,13 +145,10 @@ class Compiled:
         for k, p in enumerate(pieces):
             g._append(k, p)
         succ, npred = g.succ, g.npred
-        # `_deps` inlined, with op bases looked up once: a full
-        # simulation of InceptionV3 is ~12% slower through the generator.
-        op_base = [g.slot_base[k] for k in op_slots]
+        op_base = g._op_base()
         for base, p in zip(g.slot_base, pieces):
-            for so, sl, do, dl in p.deps:
-                d = (base if do == SELF else op_base[do]) + dl
-                succ[(base if so == SELF else op_base[so]) + sl].append(d)
+            for s, d in _resolved(p.deps, base, op_base):
+                succ[s].append(d)
                 npred[d] += 1
         g.num_live = len(g.dur)
         rows = [_rows(p, num_devices) for p in pieces]
@@ -183,19 +198,10 @@ class Compiled:
         self.succ += [[] for _ in range(n)]
         self.npred.extend(npred)
 
-    def _deps(self, k: int, p: Piece) -> list[tuple[int, int]]:
-        """(source id, destination id) of each of piece `p`'s
-        dependencies, were it in slot `k`. A list built in one
-        comprehension, not a generator: a delta simulation of NMT on
-        k80x64 resolves tens of thousands of transfers' dependencies,
-        and the generator's resumes were a fifth of its search."""
-        base, slots = self.slot_base[k], self.slot_base
-        op_base = [slots[s] for s in self.op_slots]
-        return [
-            ((base if so == SELF else op_base[so]) + sl,
-             (base if do == SELF else op_base[do]) + dl)
-            for so, sl, do, dl in p.deps
-        ]
+    def _op_base(self) -> list[int]:
+        """Per op index, the first task id of its op piece (what a
+        piece's dependencies on other ops are relative to)."""
+        return [self.slot_base[k] for k in self.op_slots]
 
     def replace(
         self, pieces: list[Piece], changed: tuple[int, ...]
@@ -226,8 +232,9 @@ class Compiled:
         for k in changed:
             g._append(k, pieces[k])
         new_deps = []
+        op_base = g._op_base()
         for k in changed:
-            for s, d in g._deps(k, pieces[k]):
+            for s, d in _resolved(pieces[k].deps, g.slot_base[k], op_base):
                 new_deps.append((s, d))
                 if s < g.first_new and s not in copied:
                     g.succ[s] = list(g.succ[s])
@@ -260,8 +267,10 @@ class Compiled:
         """Removes the old pieces' dependencies from `g`; returns the live
         tasks that lost a predecessor."""
         touched: set[int] = set()
+        op_base = self._op_base()
         for k in changed:
-            for s, d in self._deps(k, self.pieces[k]):
+            for s, d in _resolved(self.pieces[k].deps, self.slot_base[k],
+                                  op_base):
                 if d not in killed:
                     g.npred[d] -= 1
                     touched.add(d)
