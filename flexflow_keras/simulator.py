@@ -305,8 +305,10 @@ class Simulator:
             for device in config.device_ids:
                 forward_ms, _ = self.cost.op_cost(op, config, device)
                 recompute[self.machine.compute_resource(device)] += forward_ms
-        functions, copies = 2 * segments + 2 - 1, 2 * (segments - 1)
-        calls = (functions + copies) * self.machine.call_overhead_ms
+        functions = 2 * segments + 2  # each segment's two; gather; loss
+        copies = 2 * (segments - 1)
+        # One call is the step's own, in `step_overhead_ms`.
+        calls = (functions + copies - 1) * self.machine.call_overhead_ms
         return calls + max(recompute.values(), default=0.0)
 
     def _check(self, strategy: Strategy) -> dict[str, ParallelConfig]:
