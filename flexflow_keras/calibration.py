@@ -217,15 +217,19 @@ def _collective_fits(mesh: Any, n: int) -> tuple[tuple[float, float], ...]:
         )
         return max(run(fn) - run(nothing), 0.0)
 
-    def fit(fn, rows, scale):
-        small, large = 1 << 16, 1 << 22
-        t_small, t_large = timed(fn, rows, small), timed(fn, rows, large)
-        slope = max(t_large - t_small, 1e-6) / ((large - small) * scale)
-        return max(t_small - small * scale * slope, 0.0), 1e-6 / slope
-
     # A gather moves 1/n of the tensor over each link; an all-reduce of
     # an (n, k) tensor sums n partial results of k elements each.
-    return fit(gather, n * 64, 1 / n), fit(reduce, n, 1 / n)
+    return (_two_size_fit(lambda b: timed(gather, n * 64, b), 1 / n),
+            _two_size_fit(lambda b: timed(reduce, n, b), 1 / n))
+
+
+def _two_size_fit(ms_of: Any, scale: float = 1.0) -> tuple[float, float]:
+    """(latency ms, GB/s) of a line through `ms_of(bytes)` at 64 KiB and
+    4 MiB, per `scale` of those bytes (a part's share)."""
+    small, large = 1 << 16, 1 << 22
+    t_small, t_large = ms_of(small), ms_of(large)
+    slope = max(t_large - t_small, 1e-6) / ((large - small) * scale)
+    return max(t_small - small * scale * slope, 0.0), 1e-6 / slope
 
 
 def _copy_fit(device_names: tuple[str, ...]) -> dict[str, float]:
@@ -274,11 +278,8 @@ def _copy_fit(device_names: tuple[str, ...]) -> dict[str, float]:
         base = _median_ms(lambda: [x.numpy() for x in nothing(parts)])
         return max(spent - base, 0.0)
 
-    small, large = 1 << 16, 1 << 22
-    t_small, t_large = piece_ms(small), piece_ms(large)
-    slope = max(t_large - t_small, 1e-6) / (large - small)
-    return {"copy_latency_ms": max(t_small - small * slope, 0.0),
-            "copy_gbps": 1e-6 / slope}
+    latency_ms, gbps = _two_size_fit(piece_ms)
+    return {"copy_latency_ms": latency_ms, "copy_gbps": gbps}
 
 
 def _call_ms(mesh: Any) -> float:
