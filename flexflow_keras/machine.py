@@ -120,6 +120,9 @@ class MachineModel:
             tasks (launching the step, moving the batch in).
         allreduce: (latency ms, GB/s) of a measured all-reduce, by the
             bytes reduced; None: a ring over the links.
+        allgather: (latency ms, GB/s) of a measured all-gather, by the
+            bytes of one device's part (what a DTensor relayout on one
+            mesh runs); None: a ring over the links.
         call_overhead_ms: Cost of calling one compiled function on the
             devices (a strategy over several meshes makes more calls).
         copy: (latency ms, GB/s) per piece of a region copied from one
@@ -142,6 +145,7 @@ class MachineModel:
         compute_groups: int | None = None,
         step_overhead_ms: float = 0.0,
         allreduce: tuple[float, float] | None = None,
+        allgather: tuple[float, float] | None = None,
         call_overhead_ms: float = 0.0,
         copy: tuple[float, float] | None = None,
     ):
@@ -169,6 +173,7 @@ class MachineModel:
         self.compute_groups = compute_groups
         self.step_overhead_ms = float(step_overhead_ms)
         self.allreduce = allreduce
+        self.allgather = allgather
         self.call_overhead_ms = float(call_overhead_ms)
         self.copy = copy
         self.intra, self.inter = intra, inter
@@ -505,6 +510,10 @@ def live_machine() -> MachineModel:
         # the ring over the links prices the network.
         allreduce=None if nodes > 1 else (
             measured.allreduce_latency_ms, measured.allreduce_gbps
+        ),
+        # The links are fitted to it (per part, `calibration.py`).
+        allgather=None if nodes > 1 else (
+            measured.link_latency_ms, measured.link_gbps
         ),
         call_overhead_ms=measured.call_overhead_ms,
         copy=(measured.copy_latency_ms, measured.copy_gbps),

@@ -194,11 +194,16 @@ def edge_piece(
         deps.append((SELF, t) + before)
         return num_bytes
 
-    comm = 0
-    for i, j, forward, backward in overlaps(
+    pairs = overlaps(
         producer, producer.outputs.index(tensor), producer_config.dims,
         consumer, input_index, consumer_config.dims, relaid,
-    ):
+    )
+    if relaid:
+        _relayouts(b, machine, pairs, (p, n_p), (c, n_c), sinks,
+                   (forward_key, backward_key), (name, tensor), itemsize)
+        return b.piece()
+    comm = 0
+    for i, j, forward, backward in pairs:
         dst, src = sinks[i], sources[j]
         if src == dst:
             deps.append((p, j, c, i))
@@ -213,6 +218,80 @@ def edge_piece(
                                  backward, (c, n_c + i), (p, n_p + j))
     b.comm = float(comm)
     return b.piece()
+
+
+def _relayouts(b, machine, pairs, producer, consumer, devices, keys, names,
+               itemsize):
+    """The collectives of a DTensor relayout on one mesh, added to `b`.
+
+    DTensor runs a relayout as one collective per group of devices that
+    exchange parts (an all-gather over the mesh axis whose split moves),
+    not as FlexFlow's independent transfers: each group's forward and
+    backward moves are one task each over the group's ring
+    (`ring_allgather_ms`, sized by the largest part a device sends), after
+    every part of the group that feeds it and before every part that
+    reads it. Why: priced as point-to-point transfers each holding two
+    NICs, the list scheduler packed the 240 transfers of AlexNet's fc6
+    output moved from its channels to its batch on p100x16 end to end
+    (44 ms against 4.2 ms of work on each NIC); an NCCL all-gather of
+    those bytes takes under 1 ms.
+
+    `pairs` are `overlaps` rows (consumer part, producer part, forward,
+    backward elements); part k of each config is on `devices[k]`;
+    `producer`/`consumer` are (op index, parts); `keys` the forward and
+    backward priority keys; `names` (consumer name, tensor); `itemsize`
+    the tensor's bytes per element."""
+    (p, n_p), (c, n_c) = producer, consumer
+    name, tensor = names
+    group = list(range(len(devices)))  # union-find over parts
+
+    def root(k):
+        while group[k] != k:
+            group[k] = group[group[k]]
+            k = group[k]
+        return k
+
+    for i, j, _, _ in pairs:
+        if i == j:  # one device: a plain dependency each way
+            b.deps.append((p, j, c, i))
+            b.deps.append((c, n_c + i, p, n_p + j))
+        else:
+            group[root(i)] = root(j)
+    members: dict[int, list] = {}
+    for row in pairs:
+        if row[0] != row[1]:
+            members.setdefault(root(row[0]), []).append(row)
+    comm = 0.0
+    for first, rows in sorted((min(min(r[0], r[1]) for r in rows), rows)
+                              for rows in members.values()):
+        parts = sorted({k for r in rows for k in r[:2]})
+        ring = tuple(sorted(devices[k] for k in parts))
+        for kind, key, column, (src_op, src_base), (dst_op, dst_base) in (
+            (XFER_FWD, keys[0], 2, (p, 0), (c, 0)),
+            (XFER_BWD, keys[1], 3, (c, n_c), (p, n_p)),
+        ):
+            moved = [r for r in rows if r[column]]
+            if not moved:
+                continue
+            part_bytes = max(r[column] for r in moved) * itemsize
+            ms, links = ring_allgather_ms(machine, ring, part_bytes)
+            t = len(b.dur)
+            b.dur.append(ms)
+            b.res.append(machine.link_resources(links))
+            b.prio.append(key | (first << 22))
+            b.labels.append(
+                (kind, name, f"{tensor} gathered over {ring}"))
+            # Consumer part first in each row: forward from the producer
+            # parts (column 1) to the consumer parts (column 0).
+            senders = {r[1] if kind == XFER_FWD else r[0] for r in moved}
+            readers = {r[0] if kind == XFER_FWD else r[1] for r in moved}
+            b.deps += [(src_op, src_base + k, SELF, t) for k in sorted(senders)]
+            b.deps += [(SELF, t, dst_op, dst_base + k) for k in sorted(readers)]
+            for r in moved:
+                if kind == XFER_FWD:
+                    b.memory.append((devices[r[0]], float(r[2] * itemsize)))
+                comm += r[column] * itemsize
+    b.comm = comm
 
 
 def detail_text(detail) -> str:
@@ -332,6 +411,14 @@ def _disjoint(rects: np.ndarray) -> bool:
     return not met.any()
 
 
+def _ring(machine: MachineModel, devices: tuple[int, ...]) -> tuple:
+    """(routes, links) of a ring over `devices` in id order."""
+    p = len(devices)
+    ring = sorted(devices)
+    routes = [machine.route(ring[k], ring[(k + 1) % p]) for k in range(p)]
+    return routes, tuple(sorted({k for r in routes for k in r.links}))
+
+
 def ring_allreduce_ms(
     machine: MachineModel, devices: tuple[int, ...], num_bytes: float
 ) -> tuple[float, tuple[int, ...]]:
@@ -342,15 +429,33 @@ def ring_allreduce_ms(
     machine with a measured all-reduce (`MachineModel.allreduce`: the
     live one) takes that time instead, on the same links.
     """
-    p = len(devices)
-    ring = sorted(devices)
-    routes = [machine.route(ring[k], ring[(k + 1) % p]) for k in range(p)]
-    links = sorted({k for r in routes for k in r.links})
+    routes, links = _ring(machine, devices)
     if machine.allreduce is not None:
         latency_ms, gbps = machine.allreduce
-        return latency_ms + num_bytes / (gbps * 1e6), tuple(links)
+        return latency_ms + num_bytes / (gbps * 1e6), links
+    p = len(devices)
     step_ms = max(r.transfer_ms(num_bytes / p) for r in routes)
-    return 2 * (p - 1) * step_ms, tuple(links)
+    return 2 * (p - 1) * step_ms, links
+
+
+def ring_allgather_ms(
+    machine: MachineModel, devices: tuple[int, ...], part_bytes: float
+) -> tuple[float, tuple[int, ...]]:
+    """Ring all-gather time (ms) over `devices`, each sending a part of
+    `part_bytes` to the others, and the links it holds.
+
+    p-1 steps, each moving a part over every ring hop at once; a step
+    lasts as long as its slowest hop. A machine with a measured
+    all-gather (`MachineModel.allgather`: the live one, whose links are
+    fitted to it) takes latency + part / bandwidth instead, on the same
+    links.
+    """
+    routes, links = _ring(machine, devices)
+    if machine.allgather is not None:
+        latency_ms, gbps = machine.allgather
+        return latency_ms + part_bytes / (gbps * 1e6), links
+    step_ms = max(r.transfer_ms(part_bytes) for r in routes)
+    return (len(devices) - 1) * step_ms, links
 
 
 def _family_groups(

@@ -20,7 +20,7 @@ from flexflow_keras.machine import LinkGroup, MachineModel, load_machine
 from flexflow_keras.simulator import Simulator
 from flexflow_keras.strategy import ParallelConfig, Strategy
 from flexflow_keras import taskgraph
-from flexflow_keras.taskgraph import ring_allreduce_ms
+from flexflow_keras.taskgraph import ring_allgather_ms, ring_allreduce_ms
 
 
 def machine(**kwargs):
@@ -72,6 +72,17 @@ class FixedCostsTest(unittest.TestCase):
         ring, ring_links = ring_allreduce_ms(machine(), (0, 1, 2, 3), 4e6)
         self.assertEqual(links, ring_links)
         self.assertNotAlmostEqual(ms, ring)
+
+    def test_measured_allgather_replaces_the_ring(self):
+        # The live machine's links are fitted to DTensor's all-gather per
+        # part: a relayout on its mesh takes that one step, not a ring's
+        # three.
+        m = machine(allgather=(0.5, 2.0))
+        ms, links = ring_allgather_ms(m, (0, 1, 2, 3), 1e6)
+        self.assertAlmostEqual(ms, 0.5 + 1e6 / 2e9 * 1e3)
+        ring, ring_links = ring_allgather_ms(machine(), (0, 1, 2, 3), 1e6)
+        self.assertEqual(links, ring_links)
+        self.assertAlmostEqual(ring, 3 * (0.01 + 1e6 / 10e9 * 1e3))
 
 
 class SeveralMeshesTest(unittest.TestCase):
@@ -131,8 +142,8 @@ class SeveralMeshesTest(unittest.TestCase):
 class RegionCopiesTest(unittest.TestCase):
     """Between meshes the runtime copies regions with plain ops
     (runtime/moves.py), which the live machine prices by its measured
-    `copy` figures; on one mesh DTensor relays out, priced by the links
-    (fitted to its all-gathers)."""
+    `copy` figures; on one mesh DTensor relays out, priced as its
+    all-gather (the machine's `allgather`, else a ring over the links)."""
 
     def edge(self, m, producer, consumer):
         graph = build_graph(model_zoo.mlp(), 64)
@@ -168,7 +179,7 @@ class RegionCopiesTest(unittest.TestCase):
             (1,) * (op.rank - 1) + (4,), (0, 1, 2, 3))
         forward, _ = self.edge(m, columns, rows)
         linked, _ = self.edge(machine(), columns, rows)
-        self.assertEqual(len(forward), 12)  # every part from every other
+        self.assertEqual(len(forward), 1)  # one all-gather over the mesh
         self.assertEqual(forward, linked)
 
     def test_copies_leaving_a_node_keep_the_network(self):

@@ -106,6 +106,13 @@ class LiveMachineTest(unittest.TestCase):
         self.assertGreaterEqual(m.num_devices, 1)
         self.assertEqual(m.devices[0].kind, "CPU")
 
+    def test_a_relayout_is_priced_as_the_all_gather_the_links_fit(self):
+        m = load_machine(None)
+        if m.allreduce is None:
+            self.skipTest("calibration turned off: nominal figures")
+        link = m.links[0]
+        self.assertEqual(m.allgather, (link.latency_ms, link.bandwidth_gbps))
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -128,33 +128,61 @@ class GatheredMovesTest(unittest.TestCase):
         return taskgraph.edge_piece(self.m, self.a, 0, producer, self.b, 1,
                                     consumer, 0)
 
-    def received(self, piece, kind):
-        """Transfers of `kind` each device receives."""
-        got = {}
-        for label in piece.labels:
-            if label[0] == kind:
-                to = label[2][2]  # (tensor, from, to)
-                got[to] = got.get(to, 0) + 1
-        return got
+    def collectives(self, piece, kind):
+        """(devices, ms) of each collective of `kind` in `piece`."""
+        return [(label[2].split(" over ")[1], ms)
+                for label, ms in zip(piece.labels, piece.durations_ms)
+                if label[0] == kind]
 
     def test_rows_to_columns_gathers_the_whole_tensor_both_ways(self):
         # Rows over 4 devices, then columns over the same 4: each device
         # reads a quarter of its rows' columns from each other device
         # (3/16 of the tensor), but DTensor gathers the rows first, so it
         # receives the three other quarters whole (3/4), and the
-        # gradient's move back does the same.
+        # gradient's move back does the same: one all-gather of quarters
+        # each way over the 4 devices' ring.
         devices = (0, 1, 2, 3)
         piece = self.piece(ParallelConfig((4, 1), devices),
                            ParallelConfig((1, 4), devices))
         self.assertEqual(piece.comm_bytes, 2 * 4 * 3 / 4 * self.whole)
-        self.assertEqual(self.received(piece, taskgraph.XFER_FWD),
-                         {d: 3 for d in devices})
-        self.assertEqual(self.received(piece, taskgraph.XFER_BWD),
-                         {d: 3 for d in devices})
+        ring_ms, _ = taskgraph.ring_allgather_ms(self.m, devices,
+                                                 self.whole / 4)
+        for kind in (taskgraph.XFER_FWD, taskgraph.XFER_BWD):
+            self.assertEqual(self.collectives(piece, kind),
+                             [(str(devices), ring_ms)])
         # Each device keeps what it received for the step.
         self.assertEqual(sorted(piece.memory_bytes),
                          [(d, self.whole / 4) for d in devices for _ in
                           range(3)])
+
+    def test_a_collective_waits_for_every_part_and_feeds_every_part(self):
+        # Forward: the 4 producer parts' forward tasks before the gather,
+        # the 4 consumer parts' forward tasks after it; backward: the
+        # consumer parts' backward tasks (local 4..7) before, the
+        # producer parts' after; and each part's own device's share as
+        # a plain dependency each way.
+        devices = (0, 1, 2, 3)
+        piece = self.piece(ParallelConfig((4, 1), devices),
+                           ParallelConfig((1, 4), devices))
+        forward, backward = 0, 1  # the piece's two tasks, in order
+        self.assertEqual(
+            sorted(piece.deps),
+            sorted([(0, k, taskgraph.SELF, forward) for k in range(4)]
+                   + [(taskgraph.SELF, forward, 1, k) for k in range(4)]
+                   + [(1, 4 + k, taskgraph.SELF, backward)
+                      for k in range(4)]
+                   + [(taskgraph.SELF, backward, 0, 4 + k)
+                      for k in range(4)]
+                   + [(0, k, 1, k) for k in range(4)]
+                   + [(1, 4 + k, 0, 4 + k) for k in range(4)]))
+
+    def test_a_ring_takes_a_step_per_other_device_on_its_slowest_hop(self):
+        m = load_machine("p100x16")  # 4 nodes of 4: devices 3 -> 4 cross
+        inside, _ = taskgraph.ring_allgather_ms(m, (0, 1, 2, 3), 1e6)
+        across, links = taskgraph.ring_allgather_ms(m, (2, 3, 4, 5), 1e6)
+        self.assertAlmostEqual(inside, 3 * m.route(0, 1).transfer_ms(1e6))
+        self.assertAlmostEqual(across, 3 * m.route(3, 4).transfer_ms(1e6))
+        self.assertTrue(set(m.route(3, 4).links) <= set(links))
 
     def test_a_kept_split_is_not_gathered(self):
         # An (8, 10, 10) tensor, rows over one axis of a 2 x 2 mesh and
@@ -190,10 +218,9 @@ class GatheredMovesTest(unittest.TestCase):
         piece = taskgraph.edge_piece(
             self.m, producer, 0, ParallelConfig((4, 1), devices), dense, 1,
             ParallelConfig((1, 4), devices), 0)
-        forward = sum(ms > 0 for label, ms in zip(piece.labels,
-                                                  piece.durations_ms)
-                      if label[0] == taskgraph.XFER_FWD)
-        self.assertEqual(forward, 12)
+        self.assertEqual(
+            [label[0] for label in piece.labels],
+            [taskgraph.XFER_FWD, taskgraph.XFER_BWD])
         self.assertEqual(piece.comm_bytes,
                          4 * 3 / 4 * self.whole + 4 * 3 / 4 * self.whole)
 
