@@ -14,7 +14,8 @@ import keras
 import numpy as np
 
 import flexflow_keras as fk
-from flexflow_keras.runtime import model_step
+
+from runtime_support import assert_executor_of_its_strategy
 
 NOISE, FEATURES, HALF = 4, 12, 16
 
@@ -85,8 +86,7 @@ class TrainOnBatchTest(unittest.TestCase):
                 np.testing.assert_allclose(wb, wa, rtol=1e-5, atol=1e-6)
         _, discriminator, combined = ours_models
         for model, batch in ((discriminator, 2 * HALF), (combined, HALF)):
-            self.assertIsInstance(model.strategy_executor,
-                                  model_step.ModelStepExecutor)
+            assert_executor_of_its_strategy(self, model)
             self.assertEqual(model.plan.graph.batch_size, batch)
             devices = {d for c in model.strategy.values()
                        for d in c.device_ids}
@@ -108,8 +108,7 @@ class TrainOnBatchTest(unittest.TestCase):
             want = reference.train_on_batch(x[rows], x[rows, :1])
             np.testing.assert_allclose(got, want, rtol=1e-5)
         self.assertEqual(model.plan.graph.batch_size, 16)
-        self.assertIsInstance(model.strategy_executor,
-                              model_step.ModelStepExecutor)
+        assert_executor_of_its_strategy(self, model)
         for a, b in zip(reference.get_weights(), model.get_weights()):
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
 

@@ -77,7 +77,9 @@ class SparseInputsTest(unittest.TestCase):
         return runs["ours"][0]
 
     def test_one_mesh(self):
-        ours = self.run_both(search_budget=100)
+        # Data parallelism: one mesh whatever the machine measures (a
+        # search may place the two layers on meshes of their own).
+        ours = self.run_both(search_budget=0)
         self.assertIsInstance(ours.strategy_executor,
                               model_step.ModelStepExecutor)
 

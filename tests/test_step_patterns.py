@@ -421,7 +421,11 @@ def build_masked_metric(mod):
             return {m.name: m.result() for m in self.metrics}
 
     model = Masked()
-    model.compile(optimizer="adam")
+    # Data parallelism: the rows split, which is what fails. A search
+    # may leave the last layer whole, and nothing fails (a CI machine's
+    # measured costs chose that for another step).
+    model.compile(optimizer="adam",
+                  **({"search_budget": 0} if mod is fk else {}))
     rng = np.random.default_rng(0)
     return model, (rng.normal(size=(SAMPLES, 8)).astype("float32"),
                    rng.normal(size=(SAMPLES, 1)).astype("float32"))
@@ -686,7 +690,11 @@ def build_iou_metrics(mod):
                   metrics=[keras.metrics.MeanIoU(3, sparse_y_pred=False,
                                                  name="mean_iou"),
                            keras.metrics.IoU(3, [0, 2], sparse_y_pred=False,
-                                             name="iou_0_2")])
+                                             name="iou_0_2")],
+                  # Data parallelism: the predictions split on their rows,
+                  # which the diagonal's retry is for (a search may leave
+                  # the last layer whole).
+                  **({"search_budget": 0} if mod is fk else {}))
     rng = np.random.default_rng(5)
     x = rng.random((SAMPLES, 6, 6, 3)).astype("float32")
     return model, (x, rng.integers(0, 3, (SAMPLES, 6, 6)))
