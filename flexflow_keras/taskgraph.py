@@ -8,9 +8,10 @@ op reaches and takes every other piece from a cache:
 - edge piece (producer config, consumer config): for each (producer
   part, consumer part) whose rectangles intersect on different devices,
   a forward transfer of the activation and a backward transfer of its
-  gradient, sized by the intersection (between two configs on one mesh,
-  of what DTensor's all-gather relayout brings the part: `overlaps`),
-  over the route's links; on one device, a plain dependency;
+  gradient, sized by the intersection, over the route's links; on one
+  device, a plain dependency. Between two configs on one mesh, what
+  DTensor's all-gather relayout brings each part (`overlaps`), moved by
+  one collective per group of devices and direction (`_relayouts`);
 - family piece (configs of an owner op and the ops sharing its weights):
   per weight shard, a ring all-reduce over the devices holding replicas
   of it, then an update task on each of those devices; and the weight,
