@@ -267,9 +267,14 @@ def _relayouts(b, machine, pairs, producer, consumer, devices, keys, names,
                               for rows in members.values()):
         parts = sorted({k for r in rows for k in r[:2]})
         ring = tuple(sorted(devices[k] for k in parts))
-        for kind, key, column, (src_op, src_base), (dst_op, dst_base) in (
-            (XFER_FWD, keys[0], 2, (p, 0), (c, 0)),
-            (XFER_BWD, keys[1], 3, (c, n_c), (p, n_p)),
+        # Per direction: its elements' column in `pairs`, and the tasks
+        # it runs between as (op index, first local task, the column of
+        # `pairs` naming the part): forward from the producer parts'
+        # forward tasks to the consumer parts', backward from the
+        # consumer parts' backward tasks to the producer parts'.
+        for kind, key, column, sender, reader in (
+            (XFER_FWD, keys[0], 2, (p, 0, 1), (c, 0, 0)),
+            (XFER_BWD, keys[1], 3, (c, n_c, 0), (p, n_p, 1)),
         ):
             moved = [r for r in rows if r[column]]
             if not moved:
@@ -280,18 +285,17 @@ def _relayouts(b, machine, pairs, producer, consumer, devices, keys, names,
             b.dur.append(ms)
             b.res.append(machine.link_resources(links))
             b.prio.append(key | (first << 22))
-            b.labels.append(
-                (kind, name, f"{tensor} gathered over {ring}"))
-            # Consumer part first in each row: forward from the producer
-            # parts (column 1) to the consumer parts (column 0).
-            senders = {r[1] if kind == XFER_FWD else r[0] for r in moved}
-            readers = {r[0] if kind == XFER_FWD else r[1] for r in moved}
-            b.deps += [(src_op, src_base + k, SELF, t) for k in sorted(senders)]
-            b.deps += [(SELF, t, dst_op, dst_base + k) for k in sorted(readers)]
-            for r in moved:
-                if kind == XFER_FWD:
-                    b.memory.append((devices[r[0]], float(r[2] * itemsize)))
-                comm += r[column] * itemsize
+            b.labels.append((kind, name, f"{tensor} gathered over {ring}"))
+            op, base, part = sender
+            b.deps += [(op, base + k, SELF, t)
+                       for k in sorted({r[part] for r in moved})]
+            op, base, part = reader
+            b.deps += [(SELF, t, op, base + k)
+                       for k in sorted({r[part] for r in moved})]
+            comm += sum(r[column] for r in moved) * itemsize
+            if kind == XFER_FWD:  # each reader keeps what it received
+                b.memory += [(devices[r[0]], float(r[2] * itemsize))
+                             for r in moved]
     b.comm = comm
 
 
