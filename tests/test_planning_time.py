@@ -14,10 +14,14 @@ from flexflow_keras.machine import load_machine
 from flexflow_keras.strategy import ParallelConfig
 
 
-def conv_graph(batch=64):
+def conv_graph(batch=256):
     """Conv2D -> BatchNormalization -> relu -> SeparableConv2D -> relu:
     ops big enough for representatives on a CPU's roofline (calibrated
-    or nominal), two relus of different shapes."""
+    or nominal), two relus of different shapes. Why a batch of 256: the
+    live spec's memory bandwidth is the host's measured update speed
+    (6-7 GB/s here), and at 64 the normalization and the first relu
+    fall under `cost.SMALL_OP_MS` on a host that measures over 26 GB/s;
+    at 256, over about 100 GB/s."""
     import keras
 
     x = keras.Input((32, 32, 16), name="x")
@@ -90,7 +94,7 @@ class RepresentativeTest(unittest.TestCase):
             self.assertEqual(len(entries), 2)
             for entry in entries.values():
                 batch = entry[0]
-                self.assertTrue(1 <= batch <= 64)
+                self.assertTrue(1 <= batch <= 256, batch)
             again = measured_cost_model(path, self.machine)
             self.assertEqual(
                 [again.op_cost(op, batch_split(op, parts), 0)
