@@ -11,7 +11,9 @@ strategy is kept at once. It stops after `sweep` (default half) of the
 budget: small graphs' sweeps end well before (AlexNet's 92 configs),
 large ones' do not (Inception-v3's 5,941), which is why the heavy ops go
 first: their weight syncs are what a split other than data parallelism
-saves. Why a sweep: MCMC's single random proposals, each accepted on
+saves. Then each group of alike ops (`search_space.twin_groups`: a
+model's repeated layers) tries every config at once, which finds splits
+that pay only together (NMT's two embeddings on one 2 x 32 mesh). Why a sweep: MCMC's single random proposals, each accepted on
 its own, settle in a nearby local optimum where trying all of one op's
 splits in turn finds the basin (NMT's embeddings split 2-D over all
 devices rather than moved to one device). On the benchmark suite, with
@@ -44,7 +46,8 @@ together, as the runtime runs them.
 Python only: the simulator is any object with FlexFlow's interface,
 `start(strategy)`, `propose(op_name, config)` (not committed) and
 `accept()`, each returning a result with `step_ms` and `feasible`, plus
-`propose_many({op_name: config})` for graphs with shared layers.
+`propose_many({op_name: config})` for graphs with shared layers or alike
+ops.
 """
 
 import dataclasses
@@ -62,7 +65,7 @@ from flexflow_keras.mesh_space import (
 from flexflow_keras.report import search_report
 from flexflow_keras.schedule import no_gc
 from flexflow_keras.search_space import (
-    random_config, sweep_configs, tie_shared, weight_ties,
+    random_config, sweep_configs, tie_shared, twin_groups, weight_ties,
 )
 from flexflow_keras.strategy import Strategy, validate_config
 
@@ -242,6 +245,12 @@ def search(
     if reset_every is None:
         reset_every = min(max(budget // 100, 1), 1000)
     ops = graph.ops
+
+    def weight_order(names: tuple[str, ...]) -> int:
+        """Sweep order: the most trainable weight bytes first (a stable
+        sort keeps graph order among equals)."""
+        return -graph.op(names[0]).trainable_weight_bytes
+
     mesh_choices = {} if mesh is None else {
         op.name: mesh_configs(op, mesh) for op in ops
     }
@@ -262,12 +271,16 @@ def search(
             # kept at once, so the op ends on its fastest (all proposals for
             # one op change that op alone). At most `sweep` of the budget.
             limit = int(budget * sweep)
-            for op in sorted(ops, key=lambda op: -op.trainable_weight_bytes):
+            singles = [ties.get(op.name, (op.name,)) for op in ops]
+            # A shared layer's later calls take their owner's turn.
+            singles = [names for op, names in zip(ops, singles)
+                       if names[0] == op.name]
+            # Then the twins together (`twin_groups`), heaviest first.
+            for names in [*sorted(singles, key=weight_order),
+                          *sorted(twin_groups(graph), key=weight_order)]:
                 if chain.iterations >= limit:
                     break
-                names = ties.get(op.name, (op.name,))
-                if names[0] != op.name:
-                    continue  # a shared layer's later call: its owner's turn
+                op = graph.op(names[0])
                 choices = mesh_choices.get(op.name) or sweep_configs(
                     op, num_devices
                 )
@@ -458,13 +471,13 @@ class _Stepper:
         `search`)."""
         chain, used = self.chain, self.used
         current = chain.current
-        if config == current[names[0]] or (
+        if all(current[name] == config for name in names) or (
             used is not None and used.one_device_after(current, names, config)
         ):
             return False
         if len(names) == 1:
             next_ms = _ms(self.simulator.propose(names[0], config))
-        else:  # a shared layer's calls change together
+        else:  # a shared layer's calls, or twins, change together
             next_ms = _ms(self.simulator.propose_many(
                 {name: config for name in names}
             ))

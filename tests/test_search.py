@@ -7,6 +7,7 @@ simulator is used too where it exists.
 import itertools
 import math
 import unittest
+from unittest import mock
 
 import keras
 
@@ -78,9 +79,56 @@ class FakeSimulator:
         self.pending = self.current.replace(name, config)
         return self.cost(self.pending)
 
+    def propose_many(self, changes):
+        self.calls["propose"] += 1
+        pending = self.current
+        for name, config in changes.items():
+            pending = pending.replace(name, config)
+        self.pending = pending
+        return self.cost(pending)
+
     def accept(self):
         self.calls["accept"] += 1
         self.current = self.pending
+
+
+class SlowestSyncSimulator(FakeSimulator):
+    """As `FakeSimulator`, but the weight syncs overlap one another: the
+    step pays the slowest one. So of two alike ops, splitting one
+    alone saves nothing (the other's sync stays the longest) and costs
+    its relayouts; splitting both saves."""
+
+    def cost(self, strategy) -> FakeResult:
+        load: dict[int, float] = {}
+        comm = sync = 0.0
+        for op in self.graph:
+            config = strategy[op.name]
+            flops = op.forward_flops + op.backward_flops
+            for d in config.device_ids:
+                load[d] = load.get(d, 0.0) + (
+                    flops / config.num_parts / PEAK_FLOPS_PER_MS
+                )
+            for pred in self.graph.predecessors(op):
+                if strategy[pred.name] != config:
+                    comm += pred.output_bytes / LINK_BYTES_PER_MS
+            pdim = op.parameter_dim
+            shards = config.dims[pdim] if pdim is not None else 1
+            replicas = config.num_parts // shards
+            if replicas > 1 and op.trainable_weight_bytes:
+                sync = max(sync, 2 * (replicas - 1) / replicas
+                           * op.trainable_weight_bytes / shards
+                           / LINK_BYTES_PER_MS)
+        return FakeResult(max(load.values()) + comm + sync)
+
+
+def twin_branches_graph():
+    """Two alike Dense layers side by side, each an output: data
+    parallelism computes 5 ms of each a device and syncs 3.9 ms of
+    weights (`SlowestSyncSimulator`); one alone on fewer devices
+    computes longer, split by its columns it syncs nothing."""
+    inputs = keras.Input(shape=(256,), name="x")
+    outputs = [keras.layers.Dense(256, name=n)(inputs) for n in "ab"]
+    return build_graph(keras.Model(inputs, outputs), 512)
 
 
 def mlp_graph(batch: int, units: tuple[int, ...], features: int = 4):
@@ -224,6 +272,25 @@ class SearchTest(unittest.TestCase):
         self.run_search(budget=300, alpha=1e9,
                         simulator=Recording(self.graph))
         self.assertEqual(steps, sorted(steps, reverse=True))
+
+    def test_the_sweep_tries_twins_together(self):
+        # No move of one Dense alone is faster (the other's sync stays
+        # the longest); both split by their columns are. The sweep alone
+        # (no chain) finds the pair only through `twin_groups`.
+        graph = twin_branches_graph()
+        # The budget of the sweep: each op's configs, then the pair's.
+        budget = 3 * len(sweep_configs(graph.op("a"), 4))
+        sweep_only = dict(budget=budget, sweep=1.0, seed=0, verbose=0)
+        found = search_lib.search(graph, SlowestSyncSimulator(graph), 4,
+                                  **sweep_only)
+        self.assertEqual(found.strategy["a"], found.strategy["b"])
+        self.assertGreater(found.strategy["a"].dims[-1], 1)
+        self.assertLess(found.best_ms, found.data_parallel_ms)
+        with mock.patch.object(search_lib, "twin_groups",
+                               lambda graph: ()):
+            alone = search_lib.search(graph, SlowestSyncSimulator(graph), 4,
+                                      **sweep_only)
+        self.assertEqual(alone.best_ms, alone.data_parallel_ms)
 
     def test_ctrl_c_keeps_best_so_far(self):
         class Interrupting(FakeSimulator):

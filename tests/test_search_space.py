@@ -6,7 +6,7 @@ import unittest
 
 from hand_graphs import hand_graph
 from flexflow_keras.search_space import random_config, valid_configs
-from flexflow_keras.search_space import valid_dims
+from flexflow_keras.search_space import twin_groups, valid_dims
 from flexflow_keras.strategy import ParallelConfig, validate_config
 
 
@@ -80,6 +80,26 @@ class SearchSpaceTest(unittest.TestCase):
         for op in self.graph:
             for _ in range(200):
                 validate_config(op, random_config(op, 64, rng), 64)
+
+
+class TwinGroupsTest(unittest.TestCase):
+    def test_alike_ops_group_and_shared_or_other_ones_do_not(self):
+        import keras
+
+        from flexflow_keras.keras_graph import build_graph
+
+        x = keras.Input((8,), name="x")
+        shared = keras.layers.Dense(8, name="shared")
+        twins = [keras.layers.Dense(8, name=f"twin_{k}")(x) for k in range(3)]
+        other = keras.layers.Dense(4, name="other")(x)  # another shape
+        calls = [shared(t) for t in twins[:2]]  # one layer called twice
+        model = keras.Model(x, [*twins, other, *calls])
+        graph = build_graph(model, 16)
+        groups = twin_groups(graph)  # in graph order
+        self.assertEqual([sorted(g) for g in groups],
+                         [["twin_0", "twin_1", "twin_2"]])
+        order = [op.name for op in graph]
+        self.assertEqual(list(groups[0]), sorted(groups[0], key=order.index))
 
 
 class OneMeshTest(unittest.TestCase):
