@@ -56,7 +56,11 @@ def _model(name):
 
 
 def measured_ms(name, strategy, epochs, steps):
-    """Median ms per step of `fit` under `strategy` (epoch 0 left out)."""
+    """Median ms per step of `fit` under `strategy` (epoch 0 left out).
+
+    The models of earlier fits are collected first: left to the cyclic
+    GC, their executors' objects were walked during this fit's steps."""
+    gc.collect()
     _, data, batch = MODELS[name]
     model = _model(name)
     graph = build_graph(model, batch)
