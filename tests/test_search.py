@@ -44,7 +44,8 @@ class FakeSimulator:
 
     def cost(self, strategy) -> FakeResult:
         load: dict[int, float] = {}
-        comm = sync = 0.0
+        comm = 0.0
+        syncs = [0.0]
         for op in self.graph:
             config = strategy[op.name]
             if (op.name, config) in self.infeasible:
@@ -61,10 +62,14 @@ class FakeSimulator:
             shards = config.dims[pdim] if pdim is not None else 1
             replicas = config.num_parts // shards
             if replicas > 1 and op.trainable_weight_bytes:
-                sync += (2 * (replicas - 1) / replicas
-                         * op.trainable_weight_bytes / shards
-                         / LINK_BYTES_PER_MS)
-        return FakeResult(max(load.values()) + comm + sync)
+                syncs.append(2 * (replicas - 1) / replicas
+                             * op.trainable_weight_bytes / shards
+                             / LINK_BYTES_PER_MS)
+        return FakeResult(max(load.values()) + comm + self.synced(syncs))
+
+    def synced(self, syncs) -> float:
+        """The step's share of the ops' weight syncs: one after another."""
+        return sum(syncs)
 
     def simulate(self, strategy):
         return self.cost(strategy)
@@ -98,27 +103,8 @@ class SlowestSyncSimulator(FakeSimulator):
     alone saves nothing (the other's sync stays the longest) and costs
     its relayouts; splitting both saves."""
 
-    def cost(self, strategy) -> FakeResult:
-        load: dict[int, float] = {}
-        comm = sync = 0.0
-        for op in self.graph:
-            config = strategy[op.name]
-            flops = op.forward_flops + op.backward_flops
-            for d in config.device_ids:
-                load[d] = load.get(d, 0.0) + (
-                    flops / config.num_parts / PEAK_FLOPS_PER_MS
-                )
-            for pred in self.graph.predecessors(op):
-                if strategy[pred.name] != config:
-                    comm += pred.output_bytes / LINK_BYTES_PER_MS
-            pdim = op.parameter_dim
-            shards = config.dims[pdim] if pdim is not None else 1
-            replicas = config.num_parts // shards
-            if replicas > 1 and op.trainable_weight_bytes:
-                sync = max(sync, 2 * (replicas - 1) / replicas
-                           * op.trainable_weight_bytes / shards
-                           / LINK_BYTES_PER_MS)
-        return FakeResult(max(load.values()) + comm + sync)
+    def synced(self, syncs) -> float:
+        return max(syncs)
 
 
 def twin_branches_graph():
