@@ -13,9 +13,10 @@ large ones' do not (Inception-v3's 5,941), which is why the heavy ops go
 first: their weight syncs are what a split other than data parallelism
 saves. Then each group of alike ops (`search_space.twin_groups`: a
 model's repeated layers) tries every config at once, which finds splits
-that pay only together (NMT's two embeddings on one 2 x 32 mesh). Why a sweep: MCMC's single random proposals, each accepted on
-its own, settle in a nearby local optimum where trying all of one op's
-splits in turn finds the basin (NMT's embeddings split 2-D over all
+that pay only together (NMT's two embeddings on one 2 x 32 mesh).
+Why a sweep: MCMC's single random proposals, each accepted on its own,
+settle in a nearby local optimum where trying all of one op's splits in
+turn finds the basin (NMT's embeddings split 2-D over all
 devices rather than moved to one device). On the benchmark suite, with
 the chain after it, MCMC went from behind greedy search on 5 of 12
 cases to ahead of or level with it on every one (docs/SEARCH.md).

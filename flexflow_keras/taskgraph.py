@@ -169,10 +169,11 @@ def edge_piece(
     dur, res, prio, labels = b.dur, b.res, b.prio, b.labels
     deps, memory = b.deps, b.memory
     relaid = one_mesh(producer_config, consumer_config)
-    # Between meshes the runtime copies regions (`runtime/moves.py`),
-    # on one mesh DTensor relays out: `MachineModel.copy` prices the
-    # former where it differs from the links.
-    route = machine.route if relaid else machine.copy_route
+    # On one mesh DTensor relays out, by collectives (`_relayouts`);
+    # between meshes the runtime copies regions (`runtime/moves.py`),
+    # transfers that `MachineModel.copy` prices where it differs from
+    # the links.
+    route = machine.copy_route
     resources_of = machine.route_resources
     # priority(c, kind, (input_index << 12) | i, j), kind by kind.
     forward_key = priority(c, XFER_FWD, input_index << 12)
