@@ -233,6 +233,17 @@ class MachineModel:
         itself where there are none or the copy leaves the node."""
         return self._copy_routes[src][dst]
 
+    @property
+    def copy_routes(self) -> list[list[Route | None]]:
+        """`copy_route` of every pair: `copy_routes[src][dst]` (None on
+        the diagonal), for loops over thousands of transfers."""
+        return self._copy_routes
+
+    @property
+    def route_resource_table(self) -> list[list[tuple[int, ...]]]:
+        """`route_resources` of every pair: `[src][dst]`."""
+        return self._route_resources
+
     def _copy_of(
         self, src: int, dst: int, route: Route | None
     ) -> Route | None:

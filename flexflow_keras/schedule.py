@@ -28,6 +28,7 @@ InceptionV3 search walk.
 import bisect
 import gc
 import heapq
+import itertools
 from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,6 +45,8 @@ except ImportError:
 DEAD = 1 << 60  # predecessor count of a killed task: never ready
 RIDER = 1 << 59  # predecessor count of a rider: run with its leader
 INF = float("inf")
+# A new task's successor list until `_link` makes it.
+_NO_SUCCESSORS: list[int] = []
 
 
 @contextmanager
@@ -90,22 +93,52 @@ def _res1_npred(piece: Piece) -> tuple[list[int], list[int]]:
     return found
 
 
+def _dep_array(piece: Piece) -> np.ndarray:
+    """A piece's dependencies (`Piece.deps`) as an (n, 4) int64 array,
+    memoized on it."""
+    deps = piece.derived.get("deps")
+    if deps is None:
+        deps = np.fromiter(  # twice as fast as np.array on tuples
+            itertools.chain.from_iterable(piece.deps), np.int64,
+            4 * len(piece.deps),
+        ).reshape(-1, 4)
+        piece.derived["deps"] = deps
+    return deps
+
+
 def _resolved(
-    deps: tuple[tuple[int, int, int, int], ...], base: int,
-    op_base: list[int],
-) -> list[tuple[int, int]]:
-    """(source id, destination id) of each of a piece's dependencies
-    (`Piece.deps`), the piece's first task at id `base` and op i's piece
-    at `op_base[i]` (`Compiled._op_base`). A list made in one
-    comprehension: through a generator, NMT on k80x64's delta
-    simulations (tens of thousands of transfers' dependencies) spent a
-    fifth of its search resuming it, and a full simulation of
-    InceptionV3 was ~12% slower."""
-    return [
-        ((base if so == SELF else op_base[so]) + sl,
-         (base if do == SELF else op_base[do]) + dl)
-        for so, sl, do, dl in deps
-    ]
+    pieces: list[Piece], bases: list[int], op_base: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(source ids, destination ids) of the dependencies of `pieces`
+    (`Piece.deps`), in order, piece i's first task at id `bases[i]` and
+    op j's piece at `op_base[j]` (`Compiled._op_base`). In arrays, all
+    pieces at once: NMT on k80x64's delta simulations link tens of
+    thousands of transfers' dependencies per proposal (resolved one by
+    one in Python, a third of its search), and DLRM's change ten small
+    pieces at a time."""
+    arrays = [_dep_array(p) for p in pieces]
+    if not arrays:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    deps = np.concatenate(arrays)
+    base = np.repeat(np.asarray(bases, np.int64), [len(x) for x in arrays])
+    so, sl, do, dl = deps.T
+    src = np.where(so == SELF, base, op_base[so]) + sl
+    dst = np.where(do == SELF, base, op_base[do]) + dl
+    return src, dst
+
+
+def _npred_view(g: "Compiled") -> np.ndarray:
+    """`g.npred` as a writable int64 array over the same memory. Drop it
+    before `g.npred` grows (an exported array cannot be resized)."""
+    return np.frombuffer(g.npred, np.int64)
+
+
+def _as_array(values, dtype) -> np.ndarray:
+    """A schedule's per-task state (an array the C loop fills, or a list
+    for the Python one, `_zeros`) as a read-only NumPy array."""
+    if isinstance(values, array):
+        return np.frombuffer(values, dtype)
+    return np.asarray(values, dtype)
 
 
 class Compiled:
@@ -129,10 +162,11 @@ class Compiled:
         self.memory: np.ndarray | None = None
         self.comm: np.ndarray | None = None  # (slots,)
         # Filled by `replace`, read by `Schedule.rerun`:
-        self.killed: list[int] = []
+        self.killed = np.zeros(0, np.int64)
         self.touched: set[int] = set()
         self.first_new = 0
-        self.new_deps: list[tuple[int, int]] = []
+        # The new pieces' dependencies: (source ids, destination ids).
+        self.new_deps = (np.zeros(0, np.int64), np.zeros(0, np.int64))
         self.sources: list[int] = []  # live tasks without predecessors
 
     @classmethod
@@ -144,18 +178,14 @@ class Compiled:
         g.slot_base = [0] * len(pieces)
         for k, p in enumerate(pieces):
             g._append(k, p)
-        succ, npred = g.succ, g.npred
-        op_base = g._op_base()
-        for base, p in zip(g.slot_base, pieces):
-            for s, d in _resolved(p.deps, base, op_base):
-                succ[s].append(d)
-                npred[d] += 1
+        g._link(*_resolved(pieces, g.slot_base, g._op_base()))
         g.num_live = len(g.dur)
         rows = [_rows(p, num_devices) for p in pieces]
         g.busy = np.array([r[0] for r in rows]).reshape(-1, num_devices)
         g.memory = np.array([r[1] for r in rows]).reshape(-1, num_devices)
         g.comm = np.array([p.comm_bytes for p in pieces])
         g.first_new = len(g.dur)
+        npred = g.npred
         g.sources = [t for t in range(len(g.dur)) if npred[t] == 0]
         return g
 
@@ -195,22 +225,52 @@ class Compiled:
         if not self.bare and () in p.resources:
             self.bare = True
         self.res1.extend(res1)
-        self.succ += [[] for _ in range(n)]
+        self.succ += [_NO_SUCCESSORS] * n  # made by `_link`
         self.npred.extend(npred)
 
-    def _op_base(self) -> list[int]:
+    def _op_base(self) -> np.ndarray:
         """Per op index, the first task id of its op piece (what a
         piece's dependencies on other ops are relative to)."""
-        return [self.slot_base[k] for k in self.op_slots]
+        slot_base = self.slot_base
+        return np.array([slot_base[k] for k in self.op_slots], np.int64)
+
+    def _link(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Adds dependencies `src[i]` -> `dst[i]`, in that order:
+        successor lists and predecessor counts.
+
+        An old task's list (id below `first_new`) is replaced by a longer
+        one, never extended in place: the graph this one was made from
+        shares it. The new tasks' lists are made whole, in one pass (NMT
+        on k80x64 links ~3,000 dependencies a proposal, most from new
+        transfers with one successor each)."""
+        succ, first_new = self.succ, self.first_new
+        order = np.argsort(src, kind="stable")
+        src, targets = src[order], dst[order].tolist()
+        cut = int(np.searchsorted(src, first_new))
+        heads, starts = np.unique(src[:cut], return_index=True)
+        bounds = starts.tolist() + [cut]
+        for s, a, b in zip(heads.tolist(), bounds, bounds[1:]):
+            succ[s] = succ[s] + targets[a:b]
+        bounds = np.searchsorted(
+            src, np.arange(first_new, len(succ) + 1)
+        ).tolist()
+        succ[first_new:] = [targets[a:b]
+                            for a, b in zip(bounds, bounds[1:])]
+        np.add.at(_npred_view(self), dst, 1)
 
     def replace(
         self, pieces: list[Piece], changed: tuple[int, ...]
     ) -> "Compiled":
         """A copy with the pieces of slots `changed` swapped for `pieces`'s.
 
-        Copies the flat lists (cheap) and only the successor lists it
-        edits; records killed ids, touched tasks (live, with changed
-        predecessors) and the first new id for `Schedule.rerun`.
+        Copies the flat lists (cheap) and only the successor lists that
+        gain entries; records killed ids, touched tasks (live, with
+        changed predecessors) and the first new id for `Schedule.rerun`.
+
+        A killed task stays in its live predecessors' successor lists:
+        its count is `DEAD`, so no run readies it whatever it is woken
+        by, and dropping it would cost a copy and a search of each list
+        (`accept` lays the graph out afresh when killed ids pile up).
         """
         g = Compiled()
         g.pieces, g.op_slots = list(pieces), self.op_slots
@@ -219,38 +279,36 @@ class Compiled:
         g.dur, g.res1, g.resm = self.dur[:], self.res1[:], list(self.resm)
         g.prio, g.npred = self.prio[:], self.npred[:]
         g.succ = list(self.succ)
-        g.first_new = len(g.dur)
-        killed = set()
-        for k in changed:
-            base = self.slot_base[k]
-            killed.update(range(base, base + len(self.pieces[k].durations_ms)))
-        copied: set[int] = set()
-        touched = self._unlink(g, changed, killed, copied)
-        for t in killed:
-            g.npred[t] = DEAD
-            g.succ[t] = []
+        g.first_new = first_new = len(g.dur)
+        spans = [(self.slot_base[k], len(self.pieces[k].durations_ms))
+                 for k in changed]
+        killed = np.sort(np.concatenate(
+            [np.arange(b, b + n, dtype=np.int64) for b, n in spans]
+            or [np.zeros(0, np.int64)]
+        ))
+        lost = self._lost(changed, killed)
         for k in changed:
             g._append(k, pieces[k])
-        new_deps = []
-        op_base = g._op_base()
-        for k in changed:
-            for s, d in _resolved(pieces[k].deps, g.slot_base[k], op_base):
-                new_deps.append((s, d))
-                if s < g.first_new and s not in copied:
-                    g.succ[s] = list(g.succ[s])
-                    copied.add(s)
-                g.succ[s].append(d)
-                g.npred[d] += 1
-                if d < g.first_new:
-                    touched.add(d)
-        g.killed = sorted(killed)
-        g.touched = touched - killed
-        npred = g.npred
-        candidates = set(self.sources) | g.touched
-        candidates.update(range(g.first_new, len(g.dur)))
-        g.sources = [t for t in candidates if npred[t] == 0]
-        g.new_deps = new_deps
-        g.num_live = self.num_live - len(killed) + len(g.dur) - g.first_new
+        src, dst = _resolved([pieces[k] for k in changed],
+                             [g.slot_base[k] for k in changed], g._op_base())
+        g._link(src, dst)
+        npred = _npred_view(g)
+        np.subtract.at(npred, lost, 1)
+        for b, n in spans:
+            npred[b:b + n] = DEAD
+        g.killed = killed
+        # New dependencies reach no killed task: they resolve against the
+        # new graph's pieces.
+        touched = set(lost.tolist())
+        touched.update(dst[dst < first_new].tolist())
+        g.touched = touched
+        candidates = set(self.sources) | touched
+        candidates.update(range(first_new, len(g.dur)))
+        ids = np.fromiter(candidates, np.int64, len(candidates))
+        g.sources = ids[npred[ids] == 0].tolist()
+        del npred
+        g.new_deps = (src, dst)
+        g.num_live = self.num_live - len(killed) + len(g.dur) - first_new
         g.busy, g.memory, g.comm = (
             self.busy.copy(), self.memory.copy(), self.comm.copy()
         )
@@ -260,26 +318,16 @@ class Compiled:
             g.comm[k] = pieces[k].comm_bytes
         return g
 
-    def _unlink(
-        self, g: "Compiled", changed: tuple[int, ...], killed: set[int],
-        copied: set[int],
-    ) -> set[int]:
-        """Removes the old pieces' dependencies from `g`; returns the live
-        tasks that lost a predecessor."""
-        touched: set[int] = set()
-        op_base = self._op_base()
-        for k in changed:
-            for s, d in _resolved(self.pieces[k].deps, self.slot_base[k],
-                                  op_base):
-                if d not in killed:
-                    g.npred[d] -= 1
-                    touched.add(d)
-                if s not in killed:
-                    if s not in copied:
-                        g.succ[s] = list(g.succ[s])
-                        copied.add(s)
-                    g.succ[s].remove(d)
-        return touched
+    def _lost(self, changed: tuple[int, ...], killed: np.ndarray
+              ) -> np.ndarray:
+        """The live tasks that lose a predecessor when the pieces of
+        slots `changed` (task ids `killed`) go, once per lost one."""
+        dead = np.zeros(len(self.dur), bool)
+        dead[killed] = True
+        _, lost = _resolved([self.pieces[k] for k in changed],
+                            [self.slot_base[k] for k in changed],
+                            self._op_base())
+        return lost[~dead[lost]]
 
 
 class Schedule:
@@ -324,8 +372,12 @@ class Schedule:
         out = Schedule()
         out.num_resources, out.restart_pops = self.num_resources, k
         out.end = self.end + _zeros("d", n - old_n)
-        for t in g.killed:
-            out.end[t] = 0.0  # so the makespan is max(end)
+        # So the makespan is max(end):
+        if isinstance(out.end, array):
+            np.frombuffer(out.end, np.float64)[g.killed] = 0.0
+        else:
+            for t in g.killed.tolist():
+                out.end[t] = 0.0
         out.ready = _zeros("d", n)
         out.order = _zeros("q", g.num_live)
         out.order[:k] = self.order[:k]
@@ -346,8 +398,9 @@ class Schedule:
         is, and no set of the k pops need be built.
         """
         end, first_new = self.end, g.first_new
+        src, dst = g.new_deps
         bound: dict[int, float] = {}
-        for s, d in g.new_deps:
+        for s, d in zip(src.tolist(), dst.tolist()):
             if s < first_new:
                 e = end[s]
                 if e > bound.get(d, -1.0):
@@ -355,22 +408,21 @@ class Schedule:
             elif d not in bound:
                 bound[d] = INF
         lowest = min(bound.values(), default=INF)
-        for t in g.touched:
-            if t not in bound:
-                lowest = 0.0  # only lost predecessors: no bound known
-        npred = g.npred
-        for t in range(first_new, g.num_ids):
-            if npred[t] == 0:
-                lowest = 0.0
-                break
+        if not g.touched.issubset(bound):
+            lowest = 0.0  # only lost predecessors: no bound known
+        if 0 in g.npred[first_new:]:
+            lowest = 0.0  # a new task with no predecessor: ready at 0
         k = bisect.bisect_left(
             self.order, lowest, key=self.ready.__getitem__
         )
-        ready = self.ready
-        hits = [t for t in g.killed if ready[t] < lowest]
-        hits += [t for t in g.touched if ready[t] < lowest]
-        if hits:
-            k = min(self.order.index(t, 0, k) for t in hits)
+        ready = _as_array(self.ready, np.float64)
+        hits = np.concatenate([
+            g.killed[ready[g.killed] < lowest],
+            np.array([t for t in g.touched if ready[t] < lowest], np.int64),
+        ])
+        if len(hits):
+            kept = _as_array(self.order, np.int64)[:k]
+            k = int(np.flatnonzero(np.isin(kept, hits))[0])
         return k
 
 
