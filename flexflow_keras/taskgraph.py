@@ -154,12 +154,12 @@ def edge_piece(
     nothing moves one way, a plain dependency. A transfer's label detail
     is (tensor, from, to), formatted only for traces (`detail_text`).
 
-    Why the transfers are appended to the builder's lists in the loop
-    itself (no `_Builder.task`, no `priority` or route call per transfer,
-    priorities from per-kind keys, routes and their resources read from
-    the machine's tables): between two meshes of 64 devices one piece
-    holds up to 8,192 transfers, and building them was about half of NMT
-    on k80x64's search."""
+    Why `transfer` appends to the builder's lists itself (no
+    `_Builder.task`, no `priority` call, priorities from per-kind keys,
+    routes and their resources read from the machine's tables, made once
+    per machine): between two meshes of 64 devices one piece holds up to
+    8,192 transfers, and building them was about half of NMT on k80x64's
+    search."""
     b = _Builder()
     tensor = consumer.inputs[input_index]
     itemsize = np.dtype(producer.dtype).itemsize
@@ -179,6 +179,24 @@ def edge_piece(
     # priority(c, kind, (input_index << 12) | i, j), kind by kind.
     forward_key = priority(c, XFER_FWD, input_index << 12)
     backward_key = priority(c, XFER_BWD, input_index << 12)
+
+    def transfer(kind, prio_key, frm, to, elements, after, before):
+        """`elements` moved from device `frm` to `to` after task `after`,
+        before task `before`; nothing moved: a plain dependency. Returns
+        the bytes."""
+        if not elements:
+            deps.append(after + before)
+            return 0
+        num_bytes = elements * itemsize
+        t = len(dur)
+        dur.append(routes[frm][to].transfer_ms(num_bytes))
+        res.append(resources[frm][to])
+        prio.append(prio_key)
+        labels.append((kind, name, (tensor, frm, to)))
+        deps.append(after + (SELF, t))
+        deps.append((SELF, t) + before)
+        return num_bytes
+
     pairs = overlaps(
         producer, producer.outputs.index(tensor), producer_config.dims,
         consumer, input_index, consumer_config.dims, relaid,
@@ -187,11 +205,6 @@ def edge_piece(
         _relayouts(b, machine, pairs, (p, n_p), (c, n_c), sinks,
                    (forward_key, backward_key), (name, tensor), itemsize)
         return b.piece()
-    # Per pair: the forward transfer (src -> dst) after the producer part,
-    # before the consumer part; the backward one (dst -> src) after the
-    # consumer's backward part, before the producer's. Where nothing moves
-    # one way (or the parts share a device), a plain dependency. Written
-    # out, not as calls per transfer, for the reason above.
     comm = 0
     for i, j, forward, backward in pairs:
         dst, src = sinks[i], sources[j]
@@ -200,31 +213,12 @@ def edge_piece(
             deps.append((c, n_c + i, p, n_p + j))
             continue
         pair = (i << 22) | j
-        if forward:
-            num_bytes = forward * itemsize
-            t = len(dur)
-            dur.append(routes[src][dst].transfer_ms(num_bytes))
-            res.append(resources[src][dst])
-            prio.append(forward_key | pair)
-            labels.append((XFER_FWD, name, (tensor, src, dst)))
-            deps.append((p, j, SELF, t))
-            deps.append((SELF, t, c, i))
-            memory.append((dst, float(num_bytes)))
-            comm += num_bytes
-        else:
-            deps.append((p, j, c, i))
-        if backward:
-            num_bytes = backward * itemsize
-            t = len(dur)
-            dur.append(routes[dst][src].transfer_ms(num_bytes))
-            res.append(resources[dst][src])
-            prio.append(backward_key | pair)
-            labels.append((XFER_BWD, name, (tensor, dst, src)))
-            deps.append((c, n_c + i, SELF, t))
-            deps.append((SELF, t, p, n_p + j))
-            comm += num_bytes
-        else:
-            deps.append((c, n_c + i, p, n_p + j))
+        moved = transfer(XFER_FWD, forward_key | pair, src, dst, forward,
+                         (p, j), (c, i))
+        if moved:
+            memory.append((dst, float(moved)))
+        comm += moved + transfer(XFER_BWD, backward_key | pair, dst, src,
+                                 backward, (c, n_c + i), (p, n_p + j))
     b.comm = float(comm)
     return b.piece()
 
