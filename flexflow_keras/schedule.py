@@ -135,7 +135,8 @@ def _npred_view(g: "Compiled") -> np.ndarray:
 
 def _as_array(values, dtype) -> np.ndarray:
     """A schedule's per-task state (an array the C loop fills, or a list
-    for the Python one, `_zeros`) as a read-only NumPy array."""
+    for the Python one, `_zeros`) as a NumPy array: a view of an array,
+    a copy of a list (so write through it only where it is an array)."""
     if isinstance(values, array):
         return np.frombuffer(values, dtype)
     return np.asarray(values, dtype)
