@@ -398,18 +398,26 @@ class Schedule:
         changed task (all were popped) is among them iff its ready time
         is, and no set of the k pops need be built.
         """
-        end, first_new = self.end, g.first_new
+        first_new = g.first_new
         src, dst = g.new_deps
-        bound: dict[int, float] = {}
-        for s, d in zip(src.tolist(), dst.tolist()):
-            if s < first_new:
-                e = end[s]
-                if e > bound.get(d, -1.0):
-                    bound[d] = e
-            elif d not in bound:
-                bound[d] = INF
-        lowest = min(bound.values(), default=INF)
-        if not g.touched.issubset(bound):
+        lowest, bounded = INF, dst
+        if len(dst):
+            # Per destination: the latest end of its old predecessors,
+            # or INF where its first listed predecessor is new (it waits
+            # for that one, whose own bound is among the rest). In
+            # arrays: NMT on k80x64 bounds ~3,000 dependencies a proposal.
+            old = src < first_new
+            ends = np.where(
+                old, _as_array(self.end, np.float64)[np.where(old, src, 0)],
+                INF,
+            )
+            bounded, first, which = np.unique(
+                dst, return_index=True, return_inverse=True
+            )
+            latest = np.full(len(bounded), -1.0)
+            np.maximum.at(latest, which[old], ends[old])
+            lowest = float(np.where(old[first], latest, INF).min())
+        if not g.touched.issubset(bounded.tolist()):
             lowest = 0.0  # only lost predecessors: no bound known
         if 0 in g.npred[first_new:]:
             lowest = 0.0  # a new task with no predecessor: ready at 0
