@@ -241,7 +241,9 @@ class MachineModel:
 
     @property
     def route_resource_table(self) -> list[list[tuple[int, ...]]]:
-        """`route_resources` of every pair: `[src][dst]`."""
+        """The resources a transfer from `src` to `dst` holds,
+        `[src][dst]` (() on the diagonal): its route's links
+        (`link_resources`)."""
         return self._route_resources
 
     def _copy_of(
@@ -258,11 +260,6 @@ class MachineModel:
         """The scheduler's resource ids of `links` (indices into
         `links`): they follow the devices' ids."""
         return tuple(self.num_devices + k for k in links)
-
-    def route_resources(self, src: int, dst: int) -> tuple[int, ...]:
-        """The resources a transfer from `src` to `dst` holds (src !=
-        dst): its route's links (`link_resources`)."""
-        return self._route_resources[src][dst]
 
     def _build_routes(self) -> list[list[Route | None]]:
         links: list[LinkSpec] = []
