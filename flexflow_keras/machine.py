@@ -18,6 +18,8 @@ import json
 import os
 from typing import Any
 
+import numpy as np
+
 GIB = 1024**3
 _GB = 1e9  # bandwidths are in GB/s, i.e. 1e9 bytes per second
 POINT_TO_POINT = ("nvlink", "host")
@@ -193,6 +195,7 @@ class MachineModel:
             [() if r is None else self.link_resources(r.links) for r in row]
             for row in self._routes
         ]
+        self._copy_figures = _route_figures(self._copy_routes)
         self._frozen = True
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -234,10 +237,12 @@ class MachineModel:
         return self._copy_routes[src][dst]
 
     @property
-    def copy_routes(self) -> list[list[Route | None]]:
-        """`copy_route` of every pair: `copy_routes[src][dst]` (None on
-        the diagonal), for loops over thousands of transfers."""
-        return self._copy_routes
+    def copy_route_figures(self) -> tuple[np.ndarray, np.ndarray]:
+        """(latency ms, bandwidth GB/s) of every `copy_route`, as two
+        read-only (devices, devices) arrays (NaN on the diagonal): an
+        edge piece prices its thousands of transfers at once, by
+        `Route.transfer_ms`'s formula."""
+        return self._copy_figures
 
     @property
     def route_resource_table(self) -> list[list[tuple[int, ...]]]:
@@ -309,6 +314,23 @@ class MachineModel:
             link(f"nic {ns}.{nic_s} out", self.inter),
             link(f"nic {nd}.{nic_d} in", self.inter),
         ]
+
+
+def _route_figures(
+    routes: list[list[Route | None]],
+) -> tuple[np.ndarray, np.ndarray]:
+    """(latency ms, bandwidth GB/s) arrays of a route table, NaN where
+    there is no route; read-only, as the machine is."""
+    n = len(routes)
+    latency = np.full((n, n), np.nan)
+    bandwidth = np.full((n, n), np.nan)
+    for s, row in enumerate(routes):
+        for d, route in enumerate(row):
+            if route is not None:
+                latency[s, d] = route.latency_ms
+                bandwidth[s, d] = route.bandwidth_gbps
+    latency.flags.writeable = bandwidth.flags.writeable = False
+    return latency, bandwidth
 
 
 def _check_shape(nodes: int, per_node: int, nics: int) -> None:

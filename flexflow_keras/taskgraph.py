@@ -154,73 +154,123 @@ def edge_piece(
     nothing moves one way, a plain dependency. A transfer's label detail
     is (tensor, from, to), formatted only for traces (`detail_text`).
 
-    Why `transfer` appends to the builder's lists itself (no
-    `_Builder.task`, no `priority` call, priorities from per-kind keys,
-    routes and their resources read from the machine's tables, made once
-    per machine): between two meshes of 64 devices one piece holds up to
-    8,192 transfers, and building them was about half of NMT on k80x64's
-    search."""
+    On one mesh DTensor relays out, by collectives (`_relayouts`);
+    between meshes the runtime copies regions (`runtime/moves.py`),
+    transfers that `MachineModel.copy_route` prices where it differs
+    from the links (`_region_transfers`)."""
     b = _Builder()
     tensor = consumer.inputs[input_index]
     itemsize = np.dtype(producer.dtype).itemsize
     n_p, n_c = producer_config.num_parts, consumer_config.num_parts
-    p, c = producer_index, consumer_index
-    sources, sinks = producer_config.device_ids, consumer_config.device_ids
-    name = consumer.name
-    dur, res, prio, labels = b.dur, b.res, b.prio, b.labels
-    deps, memory = b.deps, b.memory
     relaid = one_mesh(producer_config, consumer_config)
-    # On one mesh DTensor relays out, by collectives (`_relayouts`);
-    # between meshes the runtime copies regions (`runtime/moves.py`),
-    # transfers that `MachineModel.copy` prices where it differs from
-    # the links.
-    routes = machine.copy_routes
-    resources = machine.route_resource_table
-    # priority(c, kind, (input_index << 12) | i, j), kind by kind.
-    forward_key = priority(c, XFER_FWD, input_index << 12)
-    backward_key = priority(c, XFER_BWD, input_index << 12)
-
-    def transfer(kind, prio_key, frm, to, elements, after, before):
-        """`elements` moved from device `frm` to `to` after task `after`,
-        before task `before`; nothing moved: a plain dependency. Returns
-        the bytes."""
-        if not elements:
-            deps.append(after + before)
-            return 0
-        num_bytes = elements * itemsize
-        t = len(dur)
-        dur.append(routes[frm][to].transfer_ms(num_bytes))
-        res.append(resources[frm][to])
-        prio.append(prio_key)
-        labels.append((kind, name, (tensor, frm, to)))
-        deps.append(after + (SELF, t))
-        deps.append((SELF, t) + before)
-        return num_bytes
-
-    pairs = overlaps(
+    pairs = overlap_array(
         producer, producer.outputs.index(tensor), producer_config.dims,
         consumer, input_index, consumer_config.dims, relaid,
     )
     if relaid:
-        _relayouts(b, machine, pairs, (p, n_p), (c, n_c), sinks,
-                   (forward_key, backward_key), (name, tensor), itemsize)
+        _relayouts(b, machine, pairs.tolist(), (producer_index, n_p),
+                   (consumer_index, n_c), consumer_config.device_ids,
+                   (priority(consumer_index, XFER_FWD, input_index << 12),
+                    priority(consumer_index, XFER_BWD, input_index << 12)),
+                   (consumer.name, tensor), itemsize)
         return b.piece()
-    comm = 0
-    for i, j, forward, backward in pairs:
-        dst, src = sinks[i], sources[j]
-        if src == dst:
-            deps.append((p, j, c, i))
-            deps.append((c, n_c + i, p, n_p + j))
-            continue
-        pair = (i << 22) | j
-        moved = transfer(XFER_FWD, forward_key | pair, src, dst, forward,
-                         (p, j), (c, i))
-        if moved:
-            memory.append((dst, float(moved)))
-        comm += moved + transfer(XFER_BWD, backward_key | pair, dst, src,
-                                 backward, (c, n_c + i), (p, n_p + j))
-    b.comm = float(comm)
-    return b.piece()
+    return _region_transfers(
+        machine, pairs, (producer_index, producer_config),
+        (consumer_index, consumer_config, input_index),
+        (consumer.name, tensor), itemsize,
+    )
+
+
+def _region_transfers(machine, pairs, producer, consumer, names,
+                      itemsize) -> Piece:
+    """The piece of a move between two meshes: per `pairs` row
+    (consumer part i, producer part j, forward, backward elements) on
+    two devices, a forward transfer where the forward elements are not
+    0, then a backward one where the backward elements are not 0, each
+    between the parts' tasks; a plain dependency where a direction moves
+    nothing or both parts are on one device.
+
+    Why in arrays: between two meshes of 64 devices one piece holds up
+    to 8,192 transfers, and built one by one in Python they were about
+    half of NMT on k80x64's search. Tasks come in the order of the rows
+    (forward before backward), priorities `priority(c, kind, (input
+    << 12) | i, j)`, durations by `Route.transfer_ms`'s formula over
+    `MachineModel.copy_route_figures`. `producer` is (op index,
+    config), `consumer` (op index, config, input index), `names`
+    (consumer name, tensor) for the labels."""
+    p, producer_config = producer
+    c, consumer_config, input_index = consumer
+    name, tensor = names
+    n_p, n_c = producer_config.num_parts, consumer_config.num_parts
+    i, j, forward, backward = pairs.T
+    dst = np.asarray(consumer_config.device_ids, np.int64)[i]
+    src = np.asarray(producer_config.device_ids, np.int64)[j]
+    cross = src != dst
+    sends = cross & (forward > 0)  # a forward transfer
+    returns = cross & (backward > 0)  # a backward transfer
+    count = sends.astype(np.int64) + returns
+    first = np.cumsum(count) - count  # the row's first task
+    n = int(count.sum())
+    at_f, at_b = first[sends], (first + sends)[returns]
+    frm = np.empty(n, np.int64)
+    to = np.empty(n, np.int64)
+    elements = np.empty(n, np.int64)
+    prio = np.empty(n, np.int64)
+    frm[at_f], to[at_f], elements[at_f] = src[sends], dst[sends], forward[sends]
+    frm[at_b], to[at_b], elements[at_b] = dst[returns], src[returns], \
+        backward[returns]
+    pair = (i << 22) | j
+    prio[at_f] = priority(c, XFER_FWD, input_index << 12) | pair[sends]
+    prio[at_b] = priority(c, XFER_BWD, input_index << 12) | pair[returns]
+    num_bytes = elements * itemsize
+    latency, gbps = machine.copy_route_figures
+    dur = latency[frm, to] + num_bytes / (gbps[frm, to] * 1e6)
+    deps = _transfer_deps((p, n_p), (c, n_c), pairs, first, (sends, returns))
+    frm_list, to_list = frm.tolist(), to.tolist()
+    table = machine.route_resource_table
+    kinds = np.full(n, XFER_BWD)
+    kinds[at_f] = XFER_FWD
+    piece = Piece(
+        tuple(dur.tolist()),
+        tuple([table[a][z] for a, z in zip(frm_list, to_list)]),
+        tuple(prio.tolist()),
+        tuple([(k, name, (tensor, a, z))
+               for k, a, z in zip(kinds.tolist(), frm_list, to_list)]),
+        tuple(map(tuple, deps.tolist())),
+        (),
+        tuple(zip(dst[sends].tolist(),
+                  (forward[sends] * itemsize).astype(float).tolist())),
+        float(num_bytes.sum()),
+    )
+    piece.derived["deps"] = deps
+    return piece
+
+
+def _transfer_deps(producer, consumer, pairs, first, moves) -> np.ndarray:
+    """The (n, 4) dependencies of `_region_transfers`, in the order a
+    loop over the rows makes them: per `pairs` row, where the forward move is a
+    transfer (`moves[0]`) producer part -> transfer -> consumer part,
+    else producer part -> consumer part; then where the backward move is
+    one (`moves[1]`) the consumer part's backward -> transfer ->
+    producer part's backward, else consumer -> producer. `first` is the
+    row's first transfer's local index. In six template slots per row,
+    of which the moves pick, so a small piece pays few NumPy calls."""
+    (p, n_p), (c, n_c) = producer, consumer
+    sends, returns = moves
+    i, j = pairs[:, 0], pairs[:, 1]
+    back = first + sends  # the row's backward transfer
+    slots = np.empty((len(pairs), 6, 4), np.int64)
+    slots[:, :, 0] = (p, SELF, p, c, SELF, c)
+    slots[:, :, 2] = (SELF, c, c, SELF, p, p)
+    for k, local in enumerate((j, first, j, n_c + i, back, n_c + i)):
+        slots[:, k, 1] = local
+    for k, local in enumerate((first, i, i, back, n_p + j, n_p + j)):
+        slots[:, k, 3] = local
+    chosen = np.empty((len(pairs), 6), bool)
+    for k, picked in enumerate((sends, sends, ~sends, returns, returns,
+                                ~returns)):
+        chosen[:, k] = picked
+    return slots[chosen]
 
 
 def _relayouts(b, machine, pairs, producer, consumer, devices, keys, names,
@@ -321,14 +371,27 @@ def one_mesh(a: ParallelConfig, b: ParallelConfig) -> bool:
     return mesh_key(a) == mesh_key(b)
 
 
-@functools.lru_cache(maxsize=4096)
 def overlaps(
     producer: Op, output: int, producer_dims: tuple[int, ...],
     consumer: Op, input_index: int, consumer_dims: tuple[int, ...],
     relaid: bool = False,
 ) -> tuple[tuple[int, int, int, int], ...]:
+    """`overlap_array`'s rows as tuples of ints."""
+    return tuple(map(tuple, overlap_array(
+        producer, output, producer_dims, consumer, input_index,
+        consumer_dims, relaid,
+    ).tolist()))
+
+
+@functools.lru_cache(maxsize=4096)
+def overlap_array(
+    producer: Op, output: int, producer_dims: tuple[int, ...],
+    consumer: Op, input_index: int, consumer_dims: tuple[int, ...],
+    relaid: bool = False,
+) -> np.ndarray:
     """(consumer part, producer part, forward elements, backward
-    elements) for every pair of parts that exchange data: the activation
+    elements), an (n, 4) int64 array, read-only, one row for every pair
+    of parts that exchange data: the activation
     the producer part holds of `output` that the consumer part receives
     for input `input_index`, and the gradient sent back. Consumer part
     first.
@@ -379,11 +442,11 @@ def overlaps(
             grads = np.where(holds[:, None, None],
                              gathered_region(have, need, whole), have)
         backward = _met(need, grads, holds)
-    pairs = np.nonzero((forward > 0) | (backward > 0))
-    return tuple(
-        (int(i), int(j), int(forward[i, j]), int(backward[i, j]))
-        for i, j in zip(*pairs)
-    )
+    i, j = np.nonzero((forward > 0) | (backward > 0))
+    rows = np.stack([i, j, forward[i, j], backward[i, j]], axis=1)
+    rows = rows.astype(np.int64).reshape(-1, 4)
+    rows.flags.writeable = False  # cached and shared
+    return rows
 
 
 def gathered_region(

@@ -273,6 +273,88 @@ class EdgePieceTest(unittest.TestCase):
         self.assertEqual(piece.comm_bytes, 2 * 2 * quarter)
 
 
+def region_transfers_one_by_one(machine, producer, p, pc, consumer, c, cc,
+                                 k):
+    """What `edge_piece` builds between two meshes, by its rule written
+    as a loop over `overlaps`' rows: per row on two devices a forward
+    transfer (if it moves elements) then a backward one, each between
+    the parts' tasks, else a plain dependency each way."""
+    tensor = consumer.inputs[k]
+    rows = taskgraph.overlaps(producer, producer.outputs.index(tensor),
+                              pc.dims, consumer, k, cc.dims)
+    n_p, n_c = pc.num_parts, cc.num_parts
+    dur, res, prio, labels, deps, memory = [], [], [], [], [], []
+    comm = 0
+    for i, j, forward, backward in rows:
+        dst, src = cc.device_ids[i], pc.device_ids[j]
+        for kind, frm, to, elements, after, before in (
+            (taskgraph.XFER_FWD, src, dst, forward, (p, j), (c, i)),
+            (taskgraph.XFER_BWD, dst, src, backward, (c, n_c + i),
+             (p, n_p + j)),
+        ):
+            if src == dst or not elements:
+                deps.append(after + before)
+                continue
+            num_bytes = elements * FLOAT
+            t = len(dur)
+            dur.append(machine.copy_route(frm, to).transfer_ms(num_bytes))
+            res.append(machine.link_resources(machine.route(frm, to).links))
+            prio.append(taskgraph.priority(c, kind, (k << 12) | i, j))
+            labels.append((kind, consumer.name, (tensor, frm, to)))
+            deps += [after + (taskgraph.SELF, t), (taskgraph.SELF, t) + before]
+            if kind == taskgraph.XFER_FWD:
+                memory.append((to, float(num_bytes)))
+            comm += num_bytes
+    return taskgraph.Piece(tuple(dur), tuple(res), tuple(prio),
+                           tuple(labels), tuple(deps), (), tuple(memory),
+                           float(comm))
+
+
+class RegionTransfersTest(unittest.TestCase):
+    def test_equal_to_the_rule_row_by_row(self):
+        """Between random configs on two meshes, on two nodes (routes over
+        NICs) with copy figures inside a node, the piece built in arrays
+        is, field by field and in order, the rule's loop: durations,
+        resources, priorities, labels, dependencies, memory and bytes."""
+        import random
+
+        from flexflow_keras.machine import LinkGroup, MachineModel
+
+        base = load_machine("v100x4")
+        machine = MachineModel(
+            "two", base.devices[0], 2, 4, LinkGroup("host", 10.0, 0.01),
+            LinkGroup("ethernet", 1.0, 0.5), copy=(0.05, 4.0),
+        )
+        graph = grid_chain((8, 12, 6))
+        a, b = graph.ops
+        rng = random.Random(0)
+
+        splits = [(x, y, z) for x in (1, 2, 4, 8) for y in (1, 2, 4)
+                  for z in (1, 2) if x * y * z <= 8]
+
+        def config():
+            dims = rng.choice(splits)
+            n = dims[0] * dims[1] * dims[2]
+            return ParallelConfig(dims, tuple(rng.sample(range(8), n)))
+
+        checked = moved = 0
+        while checked < 200:
+            pc, cc = config(), config()
+            if taskgraph.one_mesh(pc, cc):
+                continue
+            piece = taskgraph.edge_piece(machine, a, 3, pc, b, 5, cc, 0)
+            expected = region_transfers_one_by_one(machine, a, 3, pc, b, 5,
+                                                   cc, 0)
+            for field in dataclasses.fields(taskgraph.Piece):
+                if field.compare:
+                    self.assertEqual(getattr(piece, field.name),
+                                     getattr(expected, field.name),
+                                     (field.name, pc, cc))
+            checked += 1
+            moved += bool(piece.durations_ms)
+        self.assertGreater(moved, 150)
+
+
 class FamilyPieceTest(unittest.TestCase):
     def family(self, dims, slots):
         """(task kinds, piece) of a 100x100 Dense's weights on 4 devices."""
