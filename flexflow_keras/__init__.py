@@ -19,6 +19,10 @@ from flexflow_keras import devices as _devices  # noqa: E402
 _devices.setup_devices(_settings.resolve().cpu_devices)
 
 from flexflow_keras import _namespace  # noqa: E402
+from flexflow_keras import own_loops as _own_loops  # noqa: E402
+
+# A user's tf.function calls our models as Keras's: not converted.
+_own_loops.keep_package_unconverted()
 from flexflow_keras import models  # noqa: E402
 from flexflow_keras.models import Model, Sequential  # noqa: E402
 from flexflow_keras.strategy import ParallelConfig, Strategy  # noqa: E402

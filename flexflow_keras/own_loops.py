@@ -75,6 +75,33 @@ def _entered(cls: type, name: str) -> Any:
     return run
 
 
+def keep_package_unconverted() -> None:
+    """Tells AutoGraph to run the package's code as written, as it runs
+    Keras's (TensorFlow's `CONVERSION_RULES` list `keras`).
+
+    Why: a loop of the user's own inside a `tf.function` calls our
+    `Model.__call__`, and AutoGraph converted it and everything it
+    called: `note_call`'s warning came from a generated file, after
+    TensorFlow's "AutoGraph could not transform <function
+    _formatwarnmsg> ... Please report this to the TensorFlow team" (the
+    keras.io guide "Writing a training loop from scratch"; plain Keras
+    prints neither). Our functions are library code, written for eager
+    and graph mode alike; the package traces its own with
+    `autograph=False`. The rule list is TensorFlow's private module; if
+    it moves, conversion stays as it was."""
+    try:
+        from tensorflow.python.autograph.core import config
+    except ImportError:
+        return
+    package = __name__.split(".")[0]
+    if any(isinstance(rule, config.DoNotConvert)
+           and rule.matches(package) for rule in config.CONVERSION_RULES):
+        return
+    config.CONVERSION_RULES = (
+        tuple(config.CONVERSION_RULES) + (config.DoNotConvert(package),)
+    )
+
+
 def note_call(model: Any) -> None:
     """Warns once per model when `model` is called under a recording
     gradient tape outside every package entry point."""

@@ -71,6 +71,23 @@ class OwnLoopsTest(unittest.TestCase):
                 self.assertIn("train_step", said[0])
                 np.testing.assert_allclose(ours, plain, rtol=1e-6)
 
+    def test_autograph_leaves_the_package_as_written(self):
+        """A loop in a `tf.function` calls our model as it calls a Keras
+        one, unconverted: before, AutoGraph converted our `__call__` and
+        what it called, the notice came from its generated file, and
+        (where Python formats warnings, not under `catch_warnings`)
+        TensorFlow logged "AutoGraph could not transform" for Python's
+        warning formatter."""
+        from tensorflow.python.autograph.impl import api
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train_by_own_loop(mlp(fk, "converted"), traced=True)
+        said = [w for w in caught if "GradientTape" in str(w.message)]
+        self.assertEqual(len(said), 1, [str(w.message) for w in caught])
+        self.assertNotIn("__autograph_generated", said[0].filename)
+        self.assertTrue(api.conversion.is_allowlisted(fk.Model.__call__))
+
     def test_fit_and_own_steps_are_not_taken_for_a_loop(self):
         # compile() searches and probes, fit() traces the model's step,
         # and a GAN-like step calls its sub-models under tapes: none is
