@@ -183,7 +183,10 @@ def trace_call(model: Any, inputs: Any, batch_size: int) -> str | None:
     as Keras itself builds such a model on the first batch; the graph
     of another batch size is then traced on that size (`_traced_at`).
     A call that runs on no symbolic tensor makes the model one op
-    (`_as_one_op`), on any batch size or on `batch_size` alike.
+    (`_as_one_op`), on any batch size or on `batch_size` alike. A call
+    that fails even so, of a model whose class defines its own step, is
+    replaced by the functional models it holds, side by side, as for a
+    model without a call (`_step_calls_held_models`).
 
     Args:
         model: A Keras model.
@@ -216,7 +219,29 @@ def trace_call(model: Any, inputs: Any, batch_size: int) -> str | None:
                 state.traced_batch, state.trace_inputs = batch, inputs
                 state.traced_at = {batch: function}
             return None
+    if not no_call and _step_calls_held_models(model):
+        try:
+            function = _inner_models(model)
+        except ValueError:
+            return failure
+        state = state_of(model)
+        state.traced_function, state.traced_whole = function, False
+        return None
     return failure
+
+
+def _step_calls_held_models(model: Any) -> bool:
+    """Whether a model whose `call()` failed on fit's inputs is planned
+    as the functional models it holds (`_inner_models`), as one without
+    a `call()` is: its class defines its own step, which decides what
+    each model it holds is called on. keras.io's siamese network feeds
+    (anchor, positive, negative) triples without labels: Keras reads the
+    anchor as the input, and its `call()` (the held three-input network
+    on that one tensor) fails, but its `train_step` calls the network on
+    the whole triple. It trained as plain Keras on one device."""
+    from flexflow_keras.runtime.support import overrides_step
+
+    return overrides_step(model)
 
 
 def _as_one_op(model: Any, inputs: Any) -> Any:

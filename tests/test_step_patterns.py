@@ -51,7 +51,9 @@ from flexflow_keras.strategy_files import save_strategy
 
 import runtime_support
 from runtime_support import fresh_caches
-from test_own_step import SAMPLES, fit_both, train_both
+from test_own_step import (
+    BATCH, EPOCHS, RTOL, SAMPLES, SEARCH, WEIGHT_ATOL, fit_both, train_both,
+)
 
 
 def build_wgan_gp(mod, gradient_penalty=True):
@@ -523,6 +525,101 @@ def build_second_order_step(mod, **options):
     rng = np.random.default_rng(0)
     x = rng.random((SAMPLES, 16)).astype("float32")
     return model, (x, rng.integers(0, 4, (SAMPLES,)))
+
+
+def build_siamese_triples(mod):
+    """keras.io's siamese network, small: a subclassed model whose `call`
+    hands its input to a held three-input functional model (a shared
+    embedding model called on each input, a custom distance layer), fed
+    (anchor, positive, negative) triples without labels. Keras reads the
+    anchor as the model's input, so `call()` failed on it, and the model
+    trained as plain Keras; its `train_step` and `test_step` call the
+    held network on the whole triple."""
+    shape = (8, 8, 3)
+    image = mod.Input(shape)
+    hidden = mod.layers.Conv2D(4, 3, activation="relu")(image)
+    hidden = mod.layers.Flatten()(hidden)
+    hidden = mod.layers.Dense(16, activation="relu")(hidden)
+    hidden = mod.layers.BatchNormalization()(hidden)
+    embedding = mod.Model(image, mod.layers.Dense(8)(hidden),
+                          name="Embedding")
+
+    class DistanceLayer(mod.layers.Layer):
+        def call(self, anchor, positive, negative):
+            return (keras.ops.sum(tf.square(anchor - positive), -1),
+                    keras.ops.sum(tf.square(anchor - negative), -1))
+
+    triple = [mod.Input(shape, name=n)
+              for n in ("anchor", "positive", "negative")]
+    network = mod.Model(triple, DistanceLayer()(
+        *(embedding(x) for x in triple)))
+
+    class SiameseModel(mod.Model):
+        def __init__(self, network, margin=0.5):
+            super().__init__()
+            self.network, self.margin = network, margin
+            self.loss_tracker = keras.metrics.Mean(name="loss")
+
+        def call(self, inputs):
+            return self.network(inputs)
+
+        def train_step(self, data):
+            with tf.GradientTape() as tape:
+                loss = self._triplet_loss(data)
+            weights = self.network.trainable_weights
+            self.optimizer.apply_gradients(
+                zip(tape.gradient(loss, weights), weights))
+            self.loss_tracker.update_state(loss)
+            return {"loss": self.loss_tracker.result()}
+
+        def test_step(self, data):
+            self.loss_tracker.update_state(self._triplet_loss(data))
+            return {"loss": self.loss_tracker.result()}
+
+        def _triplet_loss(self, data):
+            ap, an = self.network(data)
+            return tf.maximum(ap - an + self.margin, 0.0)
+
+        @property
+        def metrics(self):
+            return [self.loss_tracker]
+
+    model = SiameseModel(network)
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    x = np.random.default_rng(0).random((3, SAMPLES) + shape)
+    triples = tf.data.Dataset.from_tensor_slices(
+        tuple(x.astype("float32"))).batch(BATCH)
+    return model, triples
+
+
+class SiameseTriplesTest(unittest.TestCase):
+    def test_held_network_called_on_unlabelled_triples(self):
+        keras.utils.set_random_seed(7)
+        plain, triples = build_siamese_triples(keras)
+        keras.utils.set_random_seed(7)
+        with SEARCH:
+            ours, _ = build_siamese_triples(fk)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = ours.fit(triples, epochs=EPOCHS, verbose=0,
+                               validation_data=triples).history
+        expected = plain.fit(triples, epochs=EPOCHS, verbose=0,
+                             validation_data=triples).history
+        said = [str(w.message) for w in caught
+                if "plain Keras" in str(w.message)]
+        self.assertEqual(said, [])
+        devices = {d for c in ours.strategy.values() for d in c.device_ids}
+        self.assertGreater(len(devices), 1, ours.strategy)
+        # The held network's ops: the shared embedding, once per input.
+        self.assertEqual(
+            sum(name.startswith("Embedding#") for name in ours.strategy), 10)
+        for key in expected:
+            np.testing.assert_allclose(history[key], expected[key],
+                                       rtol=RTOL, err_msg=key)
+        for a, b in zip(plain.get_weights(), ours.get_weights()):
+            scale = max(float(np.max(np.abs(a))), 1e-6)
+            self.assertLessEqual(float(np.max(np.abs(a - b))),
+                                 RTOL * scale + WEIGHT_ATOL)
 
 
 class StepPatternsTest(unittest.TestCase):
