@@ -430,7 +430,11 @@ def _peek_batch(
             return None, x
         first = next(iter(x.take(1)))
     elif isinstance(x, keras.utils.PyDataset):
-        first = x[0]
+        # A batch made from the script's random streams (keras.io's
+        # metric learning draws its pairs from Python's `random`): read
+        # with them put back, fit's own reads draw what plain Keras's do.
+        with user_random.kept():
+            first = x[0]
     elif hasattr(x, "__next__"):
         first = next(x)
         x = _prepend(first, x)

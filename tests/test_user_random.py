@@ -107,3 +107,49 @@ class LayerSeedsTest(unittest.TestCase):
         self.assertIsNotNone(model.strategy)
         np.testing.assert_array_equal(flip.generator.state.numpy(), before)
 
+
+
+class DrawnBatches(keras.utils.PyDataset):
+    """Batches drawn from Python's `random` on each read, as keras.io's
+    metric learning draws its anchor-positive pairs."""
+
+    def __init__(self, x, y, batches):
+        super().__init__()
+        self.x, self.y, self.batches = x, y, batches
+        self.drawn = []
+
+    def __len__(self):
+        return self.batches
+
+    def __getitem__(self, index):
+        rows = [random.randrange(len(self.x)) for _ in range(16)]
+        self.drawn.append(rows)
+        return self.x[rows], self.y[rows]
+
+
+class PyDatasetReadTest(unittest.TestCase):
+    def test_reading_the_batch_size_draws_nothing_from_the_script(self):
+        """fit() reads a PyDataset's first batch for its size; that read
+        drew from Python's `random`, so every batch after it was another
+        than plain Keras's (keras.io's metric learning trained on other
+        pairs, silently)."""
+        rng = np.random.default_rng(1)
+        x = rng.normal(size=(200, 8)).astype("float32")
+        y = (x[:, :1] > 0).astype("float32")
+        seen = {}
+        for name, mod in (("plain", keras), ("ours", fk)):
+            keras.utils.set_random_seed(5)
+            inputs = mod.Input((8,))
+            hidden = mod.layers.Dense(16, activation="relu")(inputs)
+            model = mod.Model(inputs, mod.layers.Dense(1)(hidden))
+            ours = {"search_budget": 10} if mod is fk else {}
+            model.compile(optimizer="sgd", loss="mse", **ours)
+            data = DrawnBatches(x, y, 6)
+            history = model.fit(data, epochs=2, verbose=0).history
+            # Keras reads no batch twice but the first; the batches fit
+            # trained on, in order, without the package's extra read.
+            drawn = data.drawn[1:] if mod is fk else data.drawn
+            seen[name] = (history["loss"], drawn)
+        self.assertEqual(seen["ours"][1], seen["plain"][1])
+        np.testing.assert_allclose(seen["ours"][0], seen["plain"][0],
+                                   rtol=1e-5)
