@@ -23,6 +23,7 @@ from flexflow_keras import own_loops as _own_loops  # noqa: E402
 
 # A user's tf.function calls our models as Keras's: not converted.
 _own_loops.keep_package_unconverted()
+
 from flexflow_keras import models  # noqa: E402
 from flexflow_keras.models import Model, Sequential  # noqa: E402
 from flexflow_keras.strategy import ParallelConfig, Strategy  # noqa: E402

@@ -216,9 +216,9 @@ def _region_transfers(machine, pairs, producer, consumer, names,
     to = np.empty(n, np.int64)
     elements = np.empty(n, np.int64)
     prio = np.empty(n, np.int64)
-    frm[at_f], to[at_f], elements[at_f] = src[sends], dst[sends], forward[sends]
-    frm[at_b], to[at_b], elements[at_b] = dst[returns], src[returns], \
-        backward[returns]
+    frm[at_f], to[at_f] = src[sends], dst[sends]
+    frm[at_b], to[at_b] = dst[returns], src[returns]
+    elements[at_f], elements[at_b] = forward[sends], backward[returns]
     pair = (i << 22) | j
     prio[at_f] = priority(c, XFER_FWD, input_index << 12) | pair[sends]
     prio[at_b] = priority(c, XFER_BWD, input_index << 12) | pair[returns]
@@ -248,13 +248,13 @@ def _region_transfers(machine, pairs, producer, consumer, names,
 
 def _transfer_deps(producer, consumer, pairs, first, moves) -> np.ndarray:
     """The (n, 4) dependencies of `_region_transfers`, in the order a
-    loop over the rows makes them: per `pairs` row, where the forward move is a
-    transfer (`moves[0]`) producer part -> transfer -> consumer part,
-    else producer part -> consumer part; then where the backward move is
-    one (`moves[1]`) the consumer part's backward -> transfer ->
-    producer part's backward, else consumer -> producer. `first` is the
-    row's first transfer's local index. In six template slots per row,
-    of which the moves pick, so a small piece pays few NumPy calls."""
+    loop over the rows makes them: per `pairs` row, where the forward
+    move is a transfer (`moves[0]`) producer part -> transfer ->
+    consumer part, else producer part -> consumer part; then where the
+    backward move is one (`moves[1]`) the consumer part's backward ->
+    transfer -> producer part's backward, else consumer -> producer.
+    `first` is the row's first transfer's local index. Six template
+    slots per row, of which the moves pick: few NumPy calls a piece."""
     (p, n_p), (c, n_c) = producer, consumer
     sends, returns = moves
     i, j = pairs[:, 0], pairs[:, 1]
