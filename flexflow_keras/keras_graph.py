@@ -239,8 +239,6 @@ def _step_calls_held_models(model: Any) -> bool:
     anchor as the input, and its `call()` (the held three-input network
     on that one tensor) fails, but its `train_step` calls the network on
     the whole triple. It trained as plain Keras on one device."""
-    from flexflow_keras.runtime.support import overrides_step
-
     return overrides_step(model)
 
 
@@ -379,6 +377,30 @@ def needs_trace(model: Any) -> bool:
     if function is None:
         return is_subclassed(model)
     return unknown_dims(function.inputs)
+
+
+# Methods whose override makes the model's own step the one to run.
+STEP_METHODS = (
+    "train_step", "test_step", "predict_step", "compute_loss",
+    "_compute_loss",
+)
+
+
+def overrides_step(model: Any) -> bool:
+    """Whether `model`'s class defines its own train, test or predict
+    step (what it passes its compiled metrics and loss is its own)."""
+    return any(defined_outside_keras(type(model), method)
+               for method in STEP_METHODS[:3])
+
+
+def defined_outside_keras(cls: type, method: str) -> bool:
+    """Whether the class that defines `method` for `cls` is the user's
+    (not Keras's, not ours)."""
+    for klass in cls.__mro__:
+        if method in vars(klass):
+            module = klass.__module__
+            return not module.startswith(("keras.", "flexflow_keras."))
+    return False
 
 
 def is_subclassed(model: Any) -> bool:

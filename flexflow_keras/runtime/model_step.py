@@ -41,6 +41,7 @@ from tensorflow.python.eager import context
 
 from flexflow_keras import capabilities
 from flexflow_keras import user_random
+from flexflow_keras.keras_graph import overrides_step
 from flexflow_keras.model_state import state_of
 from flexflow_keras.runtime import (
     deferred, fresh_state, op_rules, raw_variables, realized, rolled_rnn,
@@ -54,7 +55,6 @@ from flexflow_keras.runtime.fallback import (
 from flexflow_keras.runtime.host_prefix import CalledElsewhere, HostPrefix
 from flexflow_keras.runtime.keras_functions import keras_function
 from flexflow_keras.runtime.layouts import OpPlan, replicated
-from flexflow_keras.runtime.support import overrides_step
 from flexflow_keras.runtime.tracing import step_function
 from flexflow_keras.runtime.variables import (
     Transfers, argument_constants, attributes_set, captures_on_mesh,

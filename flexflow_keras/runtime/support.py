@@ -18,24 +18,21 @@ from typing import Any
 
 import keras
 
-# Methods whose override makes the model's own step the one to run.
-_STEP_METHODS = (
-    "train_step", "test_step", "predict_step", "compute_loss",
-    "_compute_loss",
-)
 
 
 def own_step_reasons(model: Any) -> list[str]:
     """Why `model` must run its own training step; [] if Keras's default
     step, layer by layer, computes exactly what it does."""
-    from flexflow_keras.keras_graph import is_subclassed
+    from flexflow_keras.keras_graph import (
+        STEP_METHODS, defined_outside_keras, is_subclassed,
+    )
     from flexflow_keras.runtime.optimizers import check_supported
 
     reasons = ["it is a subclassed model"] if is_subclassed(model) else []
     reasons += [
         f"it overrides {method}"
-        for method in _STEP_METHODS
-        if _defined_outside_keras(type(model), method)
+        for method in STEP_METHODS
+        if defined_outside_keras(type(model), method)
     ]
     if getattr(model, "_compile_loss", None) is None:
         reasons.append("it was compiled without a loss")
@@ -71,20 +68,3 @@ def own_step_reasons(model: Any) -> list[str]:
         ):
             reasons.append(f"{name} uses mixed precision ({policy.name})")
     return reasons
-
-
-def overrides_step(model: Any) -> bool:
-    """Whether `model`'s class defines its own train, test or predict
-    step (what it passes its compiled metrics and loss is its own)."""
-    return any(_defined_outside_keras(type(model), method)
-               for method in _STEP_METHODS[:3])
-
-
-def _defined_outside_keras(cls: type, method: str) -> bool:
-    """Whether the class that defines `method` for `cls` is the user's
-    (not Keras's, not ours)."""
-    for klass in cls.__mro__:
-        if method in vars(klass):
-            module = klass.__module__
-            return not module.startswith(("keras.", "flexflow_keras."))
-    return False
