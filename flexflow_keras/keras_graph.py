@@ -186,7 +186,7 @@ def trace_call(model: Any, inputs: Any, batch_size: int) -> str | None:
     (`_as_one_op`), on any batch size or on `batch_size` alike. A call
     that fails even so, of a model whose class defines its own step, is
     replaced by the functional models it holds, side by side, as for a
-    model without a call (`_step_calls_held_models`).
+    model without a call.
 
     Args:
         model: A Keras model.
@@ -219,7 +219,14 @@ def trace_call(model: Any, inputs: Any, batch_size: int) -> str | None:
                 state.traced_batch, state.trace_inputs = batch, inputs
                 state.traced_at = {batch: function}
             return None
-    if not no_call and _step_calls_held_models(model):
+    # A model whose class defines its own step decides there what each
+    # model it holds is called on: planned as those models, as one
+    # without a call() is. keras.io's siamese network feeds unlabelled
+    # (anchor, positive, negative) triples; Keras reads the anchor as
+    # the input, so its call() (a three-input network on that one
+    # tensor) fails, while its train_step calls the network on the
+    # whole triple. It trained as plain Keras on one device.
+    if not no_call and overrides_step(model):
         try:
             function = _inner_models(model)
         except ValueError:
@@ -228,18 +235,6 @@ def trace_call(model: Any, inputs: Any, batch_size: int) -> str | None:
         state.traced_function, state.traced_whole = function, False
         return None
     return failure
-
-
-def _step_calls_held_models(model: Any) -> bool:
-    """Whether a model whose `call()` failed on fit's inputs is planned
-    as the functional models it holds (`_inner_models`), as one without
-    a `call()` is: its class defines its own step, which decides what
-    each model it holds is called on. keras.io's siamese network feeds
-    (anchor, positive, negative) triples without labels: Keras reads the
-    anchor as the input, and its `call()` (the held three-input network
-    on that one tensor) fails, but its `train_step` calls the network on
-    the whole triple. It trained as plain Keras on one device."""
-    return overrides_step(model)
 
 
 def _as_one_op(model: Any, inputs: Any) -> Any:

@@ -19,7 +19,6 @@ from typing import Any
 import keras
 
 
-
 def own_step_reasons(model: Any) -> list[str]:
     """Why `model` must run its own training step; [] if Keras's default
     step, layer by layer, computes exactly what it does."""
