@@ -117,6 +117,28 @@ class ConvOp(keras.layers.Conv2D):
         )
 
 
+def build_atrous_pyramid(mod):
+    """DeepLabV3+'s pyramid in small (keras.io's `deeplabv3_plus`):
+    dilated convolutions of several rates (3 does not divide the 8-pixel
+    image: the phases pad it) side by side, joined, with batch
+    normalization and Dropout after; Adam. No biases before the
+    normalization: their gradient is rounding noise, which Adam scales
+    up to its learning rate."""
+    inputs = mod.Input((8, 8, 3))
+    branches = [mod.layers.Conv2D(4, 1, use_bias=False)(inputs)] + [
+        mod.layers.Conv2D(4, 3, dilation_rate=rate, padding="same",
+                          use_bias=False)(inputs)
+        for rate in (2, 3)
+    ] + [mod.layers.SeparableConv2D(4, 3, dilation_rate=(2, 1),
+                                    padding="same", use_bias=False)(inputs)]
+    h = mod.layers.Concatenate()(branches)
+    h = mod.layers.BatchNormalization()(h)
+    h = mod.layers.Dropout(0.3)(mod.layers.Activation("relu")(h))
+    model = mod.Model(inputs, _head(mod, h))
+    model.compile(optimizer="adam", loss="mse")
+    return model, (_images(), _targets())
+
+
 FEATURES = {
     "subclassed_mlp": build_subclassed_mlp,
     "subclassed_recommender": build_subclassed_recommender,
@@ -157,10 +179,11 @@ FEATURES = {
     "custom_convolution_op": image_layer(
         lambda mod: ConvOp(4, 3, padding="same")
     ),
+    "atrous_pyramid": build_atrous_pyramid,
 }
 FAST = (
     "subclassed_mlp", "average_pooling", "shared_tower_average_pooling",
-    "bidirectional_lstm",
+    "bidirectional_lstm", "atrous_pyramid",
 )
 
 

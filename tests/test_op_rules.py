@@ -26,24 +26,135 @@ class OpRulesTest(unittest.TestCase):
                 op_rules.flip_by_gather(x, axis), expected
             )
 
-    def test_dilated_kernel_convolution_equals_dilated_convolution(self):
-        rng = np.random.default_rng(0)
-        x = rng.random((2, 9, 9, 3), dtype=np.float32)
-        kernel = rng.random((3, 3, 3, 4), dtype=np.float32)
-        for rates, padding in (((2, 2), "SAME"), ((3, 1), "VALID")):
-            expected = tf.nn.convolution(x, kernel, padding=padding,
-                                         dilations=rates)
-            got = tf.nn.convolution(
-                x, op_rules.dilate_kernel(kernel, rates), padding=padding
-            )
-            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    def test_dilated_as_phases_equals_keras_dilated_convolution(self):
+        # Sizes that are and are not a whole number of phases, kernels
+        # of 1 to 3 taps, rates per dim, 1-D to 3-D, all three kinds.
+        import itertools
 
-    def test_dilated_kernel_has_zeros_between_taps(self):
-        kernel = tf.reshape(tf.range(1.0, 4.0), (3, 1, 1))
-        dilated = op_rules.dilate_kernel(kernel, (3,))
-        np.testing.assert_array_equal(
-            tf.reshape(dilated, [-1]), [1, 0, 0, 2, 0, 0, 3]
+        from keras.src.backend.tensorflow import nn as tf_nn
+
+        rng = np.random.default_rng(0)
+
+        def normal(*shape):
+            return tf.constant(rng.normal(size=shape).astype("float32"))
+
+        cases = itertools.product(
+            (1, 2, 3), ("same", "valid"), (2, 3), (1, 2, 3), (7, 8),
+            ("conv", "depthwise", "separable"),
+            ("channels_last", "channels_first"),
         )
+        checked = 0
+        for spatial, padding, rate, taps, size, kind, data_format in cases:
+            if spatial == 3 and (kind != "conv" or size == 8):
+                continue
+            if data_format == "channels_first" and (
+                    kind == "conv" or taps == 1):
+                continue  # TensorFlow's CPU Conv2D has no NCHW
+            rates = (rate,) * spatial if spatial != 2 else (rate, 5 - rate)
+            image = (size,) * spatial
+            x = normal(2, *(image + (3,) if data_format == "channels_last"
+                            else (3,) + image))
+            kernel = ("kernel" if kind != "separable"
+                      else "depthwise_kernel")
+            arguments = {"inputs": x, "strides": 1, "padding": padding,
+                         "data_format": data_format,
+                         "dilation_rate": rates}
+            if kind == "conv":
+                run, arguments["kernel"] = tf_nn.conv, normal(
+                    *(taps,) * spatial, 3, 4)
+            elif kind == "depthwise":
+                run, arguments["kernel"] = tf_nn.depthwise_conv, normal(
+                    *(taps,) * spatial, 3, 2)
+            else:
+                run = tf_nn.separable_conv
+                arguments["depthwise_kernel"] = normal(
+                    *(taps,) * spatial, 3, 2)
+                arguments["pointwise_kernel"] = normal(
+                    *(1,) * spatial, 6, 5)
+            if (size - (taps - 1) * max(rates) < 1
+                    and padding == "valid"):
+                continue
+            with self.subTest(spatial=spatial, padding=padding, rates=rates,
+                              taps=taps, size=size, kind=kind,
+                              data_format=data_format):
+                expected = run(**arguments)
+                got = op_rules.dilated_as_phases(run, dict(arguments),
+                                                 rates, kernel)
+                self.assertEqual(got.shape, expected.shape)
+                np.testing.assert_allclose(got, expected, rtol=1e-4,
+                                           atol=1e-4)
+                checked += 1
+        self.assertGreater(checked, 150)
+
+    def test_dilated_as_phases_on_images_of_any_size(self):
+        from keras.src.backend.tensorflow import nn as tf_nn
+
+        rng = np.random.default_rng(1)
+        kernel = tf.constant(rng.normal(size=(3, 3, 2, 4)).astype("float32"))
+
+        @tf.function(input_signature=[
+            tf.TensorSpec((None, None, None, 2), tf.float32)])
+        def phased(x):
+            return op_rules.dilated_as_phases(
+                tf_nn.conv, {"inputs": x, "kernel": kernel, "strides": 1,
+                             "padding": "same",
+                             "data_format": "channels_last",
+                             "dilation_rate": 2}, (2, 2), "kernel")
+
+        for shape in ((3, 9, 6, 2), (1, 4, 11, 2)):
+            x = tf.constant(rng.normal(size=shape).astype("float32"))
+            np.testing.assert_allclose(
+                phased(x), tf_nn.conv(x, kernel, padding="same",
+                                      dilation_rate=2),
+                rtol=1e-4, atol=1e-4)
+
+    def test_dilated_convolution_keeps_the_batch_split(self):
+        # TensorFlow's SpaceToBatchND has no DTensor rule; the phases
+        # are reshapes and transposes that keep dim 0 the batch.
+        import keras
+        from tensorflow.experimental import dtensor
+
+        mesh = dtensor.create_mesh([("a0", 4)], device_type="CPU")
+        layer = keras.layers.Conv2D(4, 3, dilation_rate=3, padding="same")
+        layer.build((None, 10, 10, 3))
+        kernel = dtensor.copy_to_mesh(layer.kernel.value,
+                                      dtensor.Layout.replicated(mesh, 4))
+        x = np.random.default_rng(0).random((8, 10, 10, 3), dtype=np.float32)
+        batch = dtensor.Layout.batch_sharded(mesh, "a0", 4)
+        sharded = dtensor.relayout(
+            dtensor.copy_to_mesh(x, dtensor.Layout.replicated(mesh, 4)),
+            batch)
+
+        @tf.function
+        def step(inputs):
+            with op_rules.substitutes(mesh), tf.GradientTape() as tape:
+                tape.watch([inputs, kernel])
+                out = keras.ops.conv(inputs, kernel, padding="same",
+                                     dilation_rate=3)
+                total = tf.reduce_sum(out * out)
+            return out, tape.gradient(total, [inputs, kernel])
+
+        out, (grad_x, grad_kernel) = step(sharded)
+        self.assertEqual(dtensor.fetch_layout(out).sharding_specs[0], "a0")
+        self.assertEqual(dtensor.fetch_layout(grad_x).sharding_specs[0],
+                         "a0")
+        with tf.GradientTape() as tape:
+            plain = tf.constant(x)
+            tape.watch(plain)
+            plain_kernel = tf.constant(layer.kernel.numpy())
+            tape.watch(plain_kernel)
+            expected = keras.ops.conv(plain, plain_kernel, padding="same",
+                                      dilation_rate=3)
+            total = tf.reduce_sum(expected * expected)
+        expected_grads = tape.gradient(total, [plain, plain_kernel])
+        np.testing.assert_allclose(
+            np.concatenate([t.numpy() for t in dtensor.unpack(out)]),
+            expected, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(
+            np.concatenate([t.numpy() for t in dtensor.unpack(grad_x)]),
+            expected_grads[0], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(dtensor.unpack(grad_kernel)[0].numpy(),
+                                   expected_grads[1], rtol=1e-4, atol=1e-3)
 
     def test_einsum_matmul_equals_keras_matmul(self):
         import keras
