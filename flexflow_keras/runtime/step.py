@@ -542,10 +542,13 @@ class Executor:
         zeros to `SMALL_INPUT_ELEMENTS`: DTensor folds a smaller input
         into the function as a constant and expands it again when the
         value changes (measured: every backward function expanded twice,
-        at the first and the second step).
+        at the first and the second step). In float64: the update casts
+        both to each variable's dtype, as Keras's optimizers do, so a
+        float64 model gets a float64 learning rate (float32's 0.001 is off
+        by 5e-8) and a float32 one the float32 value it always had.
         """
         opt = self.model.optimizer
-        hyper = np.zeros(SMALL_INPUT_ELEMENTS, np.float32)
+        hyper = np.zeros(SMALL_INPUT_ELEMENTS, np.float64)
         hyper[0] = float(opt._get_current_learning_rate())
         hyper[1] = float(opt.iterations.numpy()) + 1.0
         return _to_mesh(hyper, mesh)
