@@ -175,7 +175,9 @@ class Updater:
             dvar.assign(value)
 
     def _sgd(self, g, var, state, lr, step):
-        momentum = self.optimizer.momentum
+        # Cast as Keras casts it: `tf.cast` of a Python float goes
+        # through float32, so a float64 model's 0.9 is 0.89999998 there.
+        momentum = tf.cast(self.optimizer.momentum, var.dtype)
         if not state:
             return var - g * lr, state
         m = state["momentum"] * momentum - g * lr
