@@ -105,13 +105,7 @@ class _PlanningModel(StrategyTrainer):
                 elif state.plan is None:
                     self._tell_plain_once(
                         f"Model '{self.name}' trains as plain Keras on one "
-                        "device: its dataset's batch size cannot be read "
-                        "from its structure, and reading a batch would "
-                        "change the order it shuffles or the values it "
-                        "draws. Received: element_spec="
-                        f"{x.element_spec}. Batch the inputs with one "
-                        "`batch(n)`, or call fit() with a dataset whose "
-                        "batch dim is known (`drop_remainder=True`).",
+                        f"device: {_unread_dataset_reason(x)}",
                         stacklevel=4)
             return super().fit(x, y, batch_size, *args, **kwargs)
 
@@ -467,8 +461,9 @@ def _dataset_batch(dataset: Any) -> _Peeked | None:
     spec = dataset.element_spec
     inputs = spec[0] if isinstance(spec, tuple) else spec
     leaves = keras.tree.flatten(inputs)
-    if not leaves or not all(isinstance(s, tf.TensorSpec) for s in leaves):
-        return None
+    if not leaves or not all(isinstance(s, tf.TensorSpec)
+                             and s.shape.rank is not None for s in leaves):
+        return None  # a `tf.numpy_function`'s output: no shape at all
     batch = leaves[0].shape[0] if leaves[0].shape.rank else None
     if batch is None:
         batch = _chain_batch_size(
@@ -479,6 +474,29 @@ def _dataset_batch(dataset: Any) -> _Peeked | None:
         lambda s: tf.TensorSpec((batch,) + tuple(s.shape[1:]), s.dtype),
         inputs,
     ))
+
+
+def _unread_dataset_reason(dataset: Any) -> str:
+    """Why `_peek_batch` found no batch in `dataset`, and the fix."""
+    import tensorflow as tf
+
+    specs = keras.tree.flatten(dataset.element_spec)
+    if any(isinstance(s, tf.TensorSpec) and s.shape.rank is None
+           for s in specs):
+        return (
+            "its dataset's elements have no shape (shape=<unknown>: the "
+            "output of a `tf.numpy_function` or `tf.py_function`), so "
+            "nothing can be planned for them. Received: element_spec="
+            f"{dataset.element_spec}. Give them their shapes in the map "
+            "function (`tf.ensure_shape(x, shape)` or `x.set_shape(...)`)."
+        )
+    return (
+        "its dataset's batch size cannot be read from its structure, and "
+        "reading a batch would change the order it shuffles or the values "
+        f"it draws. Received: element_spec={dataset.element_spec}. Batch "
+        "the inputs with one `batch(n)`, or call fit() with a dataset "
+        "whose batch dim is known (`drop_remainder=True`)."
+    )
 
 
 # Op types whose run changes a state a later iterator sees (a shuffle's

@@ -534,6 +534,40 @@ class DatasetOrderTest(unittest.TestCase):
         self.assertIn("batch size cannot be read", told[0])
         self.assertIsNone(model.strategy_executor)
 
+    def test_shapeless_dataset_fails_as_keras_fails_and_says_why(self):
+        """A `tf.numpy_function` gives its outputs no shape, not even a
+        rank (keras.io's 3D image classification): plain Keras cannot
+        fit on them. Ours crashed in its own read of the batch
+        ("Cannot iterate over a shape with unknown rank"); now it says
+        what it cannot plan and how to give the shapes, and Keras raises
+        its own error."""
+        import tensorflow as tf
+
+        def load(index):
+            return (np.full((8,), index, np.float32),
+                    np.zeros((2,), np.float32))
+
+        errors, told = [], []
+        for cls in (keras.Model, Model):
+            data = tf.data.Dataset.range(32).map(
+                lambda i: tf.numpy_function(load, [i],
+                                            [tf.float32, tf.float32])
+            ).batch(16)
+            inputs = keras.Input((8,))
+            model = cls(inputs, layers.Dense(2)(inputs))
+            model.compile("sgd", "mse")
+            with warnings.catch_warnings(record=True) as caught, \
+                    self.assertRaises(ValueError) as raised:
+                warnings.simplefilter("always")
+                model.fit(data, epochs=1, verbose=0)
+            errors.append(str(raised.exception))
+            told = [str(w.message) for w in caught
+                    if "plain Keras" in str(w.message)]
+        self.assertEqual(errors[1], errors[0])
+        self.assertEqual(len(told), 1, told)
+        self.assertIn("have no shape", told[0])
+        self.assertIn("tf.ensure_shape", told[0])
+
 
 class RunEagerlyTest(unittest.TestCase):
     """`compile(run_eagerly=True)` is Keras's debugging mode: the step runs
