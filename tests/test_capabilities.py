@@ -284,6 +284,15 @@ class ProbeTest(unittest.TestCase):
     def test_layer_that_runs_splits_its_batch(self):
         self.assertEqual(self.probe(Double()), Probed())
 
+    def test_table_lookup_by_a_variable_index_splits_its_batch(self):
+        # keras.io's Swin Transformer: DTensor gave the bias lookup the
+        # split of the scores it is added to, which a gather cannot take
+        # ("do not agree on non-axis dim 1"), and the layer ran whole.
+        from test_layer_support import RelativePositionBias
+
+        self.assertEqual(self.probe(RelativePositionBias(), (4, 4)),
+                         Probed())
+
     def test_python_in_the_graph_is_unsupported_without_running_it(self):
         found = self.probe(NumpyDouble())
         self.assertRegex(found.error, "PyFuncStateless.*numpy_function")

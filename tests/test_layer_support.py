@@ -139,6 +139,47 @@ def build_atrous_pyramid(mod):
     return model, (_images(), _targets())
 
 
+class RelativePositionBias(keras.layers.Layer):
+    """keras.io's Swin Transformer window attention in small: queries,
+    keys and values cut from one Dense (the batch moved to dim 1 and
+    back), and a bias looked up from a trainable table by an index kept
+    in a non-trainable variable (`ops.take`), added to the scores. Four
+    heads: with two, a 4-way batch split fails in DTensor ("dimension
+    size=2 is not divisible by number of shards ... 4"): its layout
+    propagation moves the batch's split onto the heads, with or without
+    the lookup rule (a limit of DTensor's, noted in docs/RUNTIME.md)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.table = self.add_weight(shape=(9, 4),
+                                     initializer="random_normal")
+        self.index = keras.Variable(
+            np.random.default_rng(0).integers(0, 9, (4, 4)), dtype="int",
+            trainable=False)
+        self.qkv = keras.layers.Dense(3 * 8)
+
+    def call(self, x):
+        ops = keras.ops
+        qkv = ops.reshape(self.qkv(x), (-1, 4, 3, 4, 2))
+        qkv = ops.transpose(qkv, (2, 0, 3, 1, 4))
+        q, k, v = qkv[0] * 0.5, qkv[1], qkv[2]
+        scores = q @ ops.transpose(k, (0, 1, 3, 2))
+        bias = ops.take(self.table, ops.reshape(self.index, (-1,)), axis=0)
+        bias = ops.transpose(ops.reshape(bias, (4, 4, -1)), (2, 0, 1))
+        scores = ops.softmax(scores + ops.expand_dims(bias, 0), axis=-1)
+        return ops.reshape(ops.transpose(scores @ v, (0, 2, 1, 3)),
+                           (-1, 4, 8))
+
+
+def build_relative_position_bias(mod):
+    inputs = mod.Input((4, 3))
+    h = RelativePositionBias()(mod.layers.Dense(4)(inputs))
+    model = mod.Model(inputs, _head(mod, h))
+    model.compile(optimizer="adam", loss="mse")
+    x = np.random.default_rng(0).random((SAMPLES, 4, 3), dtype=np.float32)
+    return model, (x, _targets())
+
+
 FEATURES = {
     "subclassed_mlp": build_subclassed_mlp,
     "subclassed_recommender": build_subclassed_recommender,
@@ -180,10 +221,11 @@ FEATURES = {
         lambda mod: ConvOp(4, 3, padding="same")
     ),
     "atrous_pyramid": build_atrous_pyramid,
+    "relative_position_bias": build_relative_position_bias,
 }
 FAST = (
     "subclassed_mlp", "average_pooling", "shared_tower_average_pooling",
-    "bidirectional_lstm", "atrous_pyramid",
+    "bidirectional_lstm", "atrous_pyramid", "relative_position_bias",
 )
 
 

@@ -404,6 +404,28 @@ def whole_on(mesh: Any, op: Any) -> Any:
     return run
 
 
+def _table_lookups_whole(mesh: Any, gather: Any) -> Any:
+    """`tf.gather` (`keras.ops.take`), its output whole on every device
+    when its shape is fully known while the step is traced with the
+    batch dim unknown: then it holds no batch (a lookup of a weight by
+    indices kept in a variable or made from constants: keras.io's Swin
+    Transformer takes its relative position bias from a table so).
+    Why: DTensor's layout propagation gave such an output the split of
+    the batch-split tensor it is later added to, on a dim the gather
+    cannot split ("input and output layout do not agree on non-axis dim
+    1", TF 2.21), and the layer trained whole on one device. Whole, each
+    device looks up the whole (small) result, as plain Keras does."""
+
+    def lookup(params, indices, *args, **kwargs):
+        out = gather(params, indices, *args, **kwargs)
+        if isinstance(out, tf.Tensor) and out.shape.rank \
+                and out.shape.is_fully_defined():
+            return _relaid_whole(mesh, out)
+        return out
+
+    return lookup
+
+
 def _draw_substitutes(mesh: Any) -> list[tuple[Any, str, Any]]:
     """(module, name, replacement) for every stateless draw, and for
     `tf.argmax`/`argmin`: DTensor's ArgMax gives a split output of a
@@ -674,6 +696,7 @@ def substitutes(mesh: Any) -> Iterator[None]:
         # Keras's backend (and a user's layer) call these through `tf.nn`.
         (tf.nn, "depthwise_conv2d", depthwise.depthwise_conv2d),
         (tf.nn, "separable_conv2d", depthwise.separable_conv2d),
+        (tf, "gather", _table_lookups_whole(mesh, tf.gather)),
         (tf.math, "top_k", whole_on(mesh, tf.math.top_k)),
         (tf.nn, "top_k", whole_on(mesh, tf.nn.top_k)),
         # `tf.sort` and `tf.argsort` (`keras.ops.sort/argsort`) call it
