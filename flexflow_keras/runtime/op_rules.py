@@ -139,8 +139,7 @@ def dilated_as_phases(convolution: Any, arguments: dict,
     taps = arguments[kernel].shape[:spatial]
     same = arguments["padding"].lower() == "same"
     pads = [[0, 0]] * (spatial + 2)
-    cut = [inputs.shape[0] if inputs.shape[0] is not None
-           else tf.shape(inputs)[0]]
+    cut = [_size(inputs, 0)]
     if not channels_last:
         cut.append(_size(inputs, 1))
     kept = [slice(None)] * (spatial + 2)
@@ -168,7 +167,7 @@ def dilated_as_phases(convolution: Any, arguments: dict,
                    + [_size(y, d) for d in range(1, spatial + 2)])
     weave = [0] + ([] if channels_last else [1 + spatial])
     for i in range(spatial):
-        weave += [1 + spatial + first - 1 + i, 1 + i]
+        weave += [spatial + first + i, 1 + i]  # (size, offset) pairs
     if channels_last:
         weave.append(1 + 2 * spatial)
     y = tf.transpose(y, weave)
@@ -414,7 +413,9 @@ def _table_lookups_whole(mesh: Any, gather: Any) -> Any:
     the batch-split tensor it is later added to, on a dim the gather
     cannot split ("input and output layout do not agree on non-axis dim
     1", TF 2.21), and the layer trained whole on one device. Whole, each
-    device looks up the whole (small) result, as plain Keras does."""
+    device looks up the whole (small) result, as plain Keras does. (A
+    step retried with its batch dim known gathers batch lookups whole
+    too: the same values, moved once more.)"""
 
     def lookup(params, indices, *args, **kwargs):
         out = gather(params, indices, *args, **kwargs)
