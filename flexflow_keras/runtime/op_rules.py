@@ -403,8 +403,9 @@ def whole_on(mesh: Any, op: Any) -> Any:
     return run
 
 
-def _table_lookups_whole(mesh: Any, gather: Any) -> Any:
-    """`tf.gather` (`keras.ops.take`), its output whole on every device
+def _table_lookups_whole(mesh: Any, take: Any) -> Any:
+    """`keras.ops.take` (Keras's backend `take`, a `tf.gather`; not the
+    gathers of our own rolled RNN loops), its output whole on every device
     when its shape is fully known while the step is traced with the
     batch dim unknown: then it holds no batch (a lookup of a weight by
     indices kept in a variable or made from constants: keras.io's Swin
@@ -417,8 +418,8 @@ def _table_lookups_whole(mesh: Any, gather: Any) -> Any:
     step retried with its batch dim known gathers batch lookups whole
     too: the same values, moved once more.)"""
 
-    def lookup(params, indices, *args, **kwargs):
-        out = gather(params, indices, *args, **kwargs)
+    def lookup(x, indices, *args, **kwargs):
+        out = take(x, indices, *args, **kwargs)
         if isinstance(out, tf.Tensor) and out.shape.rank \
                 and out.shape.is_fully_defined():
             return _relaid_whole(mesh, out)
@@ -697,7 +698,7 @@ def substitutes(mesh: Any) -> Iterator[None]:
         # Keras's backend (and a user's layer) call these through `tf.nn`.
         (tf.nn, "depthwise_conv2d", depthwise.depthwise_conv2d),
         (tf.nn, "separable_conv2d", depthwise.separable_conv2d),
-        (tf, "gather", _table_lookups_whole(mesh, tf.gather)),
+        (tf_numpy, "take", _table_lookups_whole(mesh, tf_numpy.take)),
         (tf.math, "top_k", whole_on(mesh, tf.math.top_k)),
         (tf.nn, "top_k", whole_on(mesh, tf.nn.top_k)),
         # `tf.sort` and `tf.argsort` (`keras.ops.sort/argsort`) call it
