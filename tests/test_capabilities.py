@@ -293,6 +293,13 @@ class ProbeTest(unittest.TestCase):
         self.assertEqual(self.probe(RelativePositionBias(), (4, 4)),
                          Probed())
 
+    def test_rolled_windows_split_their_batch(self):
+        # keras.io's Swin Transformer shifts its windows by `ops.roll`;
+        # DTensor has no rule for `Roll`, and the block ran whole.
+        from test_layer_support import ShiftedWindows
+
+        self.assertEqual(self.probe(ShiftedWindows(), (8, 8, 4)), Probed())
+
     def test_python_in_the_graph_is_unsupported_without_running_it(self):
         found = self.probe(NumpyDouble())
         self.assertRegex(found.error, "PyFuncStateless.*numpy_function")

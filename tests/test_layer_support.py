@@ -171,6 +171,36 @@ class RelativePositionBias(keras.layers.Layer):
                            (-1, 4, 8))
 
 
+class ShiftedWindows(keras.layers.Layer):
+    """keras.io's Swin Transformer shifted block in small: the image
+    rolled by half a window along height and width (`ops.roll`, which
+    DTensor has no rule for), cut into 2x2 windows beside the batch,
+    attended within each window, put back and rolled back."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = RelativePositionBias()
+
+    def call(self, x):
+        ops = keras.ops
+        x = ops.roll(x, shift=[-1, -1], axis=[1, 2])
+        windows = ops.reshape(x, (-1, 4, 2, 4, 2, 4))
+        windows = ops.reshape(ops.transpose(windows, (0, 1, 3, 2, 4, 5)),
+                              (-1, 4, 4))
+        out = ops.reshape(self.attention(windows), (-1, 4, 4, 2, 2, 8))
+        out = ops.reshape(ops.transpose(out, (0, 1, 3, 2, 4, 5)),
+                          (-1, 8, 8, 8))
+        return ops.roll(out, shift=[1, 1], axis=[1, 2])
+
+
+def build_shifted_windows(mod):
+    inputs = mod.Input((8, 8, 3))
+    h = ShiftedWindows()(mod.layers.Dense(4)(inputs))
+    model = mod.Model(inputs, _head(mod, h))
+    model.compile(optimizer="adam", loss="mse")
+    return model, (_images(), _targets())
+
+
 def build_relative_position_bias(mod):
     inputs = mod.Input((4, 3))
     h = RelativePositionBias()(mod.layers.Dense(4)(inputs))
@@ -222,10 +252,12 @@ FEATURES = {
     ),
     "atrous_pyramid": build_atrous_pyramid,
     "relative_position_bias": build_relative_position_bias,
+    "shifted_windows": build_shifted_windows,
 }
 FAST = (
     "subclassed_mlp", "average_pooling", "shared_tower_average_pooling",
     "bidirectional_lstm", "atrous_pyramid", "relative_position_bias",
+    "shifted_windows",
 )
 
 

@@ -26,6 +26,65 @@ class OpRulesTest(unittest.TestCase):
                 op_rules.flip_by_gather(x, axis), expected
             )
 
+    def test_roll_by_slices_is_roll_bit_for_bit(self):
+        x = tf.reshape(tf.range(120.0), (2, 3, 4, 5))
+        rolled = op_rules.roll_by_slices(tf.roll)
+        cases = [(1, 1), (-1, 2), (7, -1), (0, 3), (4, 2), ([2, -3], [1, 2]),
+                 ([1, 1], [2, 2]), ([-5, 2, 9], [3, 1, 0]), (1, 0)]
+        for shift, axis in cases:
+            np.testing.assert_array_equal(
+                rolled(x, shift, axis), tf.roll(x, shift, axis),
+                err_msg=f"shift={shift} axis={axis}")
+        # An axis whose size is known only at run time: gathers.
+        unknown = tf.function(lambda t: rolled(t, [-2, 1], [1, 2]),
+                              input_signature=[tf.TensorSpec(
+                                  (None, None, None, 5))])
+        np.testing.assert_array_equal(unknown(x),
+                                      tf.roll(x, [-2, 1], [1, 2]))
+        # A shift known only at run time: TensorFlow's op.
+        dynamic = tf.function(lambda t, s: rolled(t, s, 1))
+        np.testing.assert_array_equal(dynamic(x, tf.constant(2)),
+                                      tf.roll(x, 2, 1))
+
+    def test_rolled_windows_keep_the_batch_split(self):
+        # keras.io's Swin Transformer shifts its windows with
+        # `keras.ops.roll`; DTensor has no rule for `Roll`.
+        import keras
+        from tensorflow.experimental import dtensor
+
+        mesh = dtensor.create_mesh([("a0", 4)], device_type="CPU")
+        x = np.random.default_rng(0).random((8, 6, 6, 3), dtype=np.float32)
+        sharded = dtensor.relayout(
+            dtensor.copy_to_mesh(x, dtensor.Layout.replicated(mesh, 4)),
+            dtensor.Layout.batch_sharded(mesh, "a0", 4))
+
+        def shifted(inputs):
+            out = keras.ops.roll(inputs, shift=[-2, -2], axis=[1, 2])
+            return keras.ops.roll(out * out, shift=[2, 2], axis=[1, 2])
+
+        @tf.function
+        def step(inputs):
+            with op_rules.substitutes(mesh), tf.GradientTape() as tape:
+                tape.watch(inputs)
+                out = shifted(inputs)
+                total = tf.reduce_sum(out * tf.range(3.0))
+            return out, tape.gradient(total, inputs)
+
+        out, grad = step(sharded)
+        self.assertEqual(dtensor.fetch_layout(out).sharding_specs[0], "a0")
+        self.assertEqual(dtensor.fetch_layout(grad).sharding_specs[0], "a0")
+        plain = tf.constant(x)
+        with tf.GradientTape() as tape:
+            tape.watch(plain)
+            expected = shifted(plain)
+            total = tf.reduce_sum(expected * tf.range(3.0))
+        np.testing.assert_array_equal(
+            np.concatenate([t.numpy() for t in dtensor.unpack(out)]),
+            expected)
+        np.testing.assert_array_equal(
+            np.concatenate([t.numpy() for t in dtensor.unpack(grad)]),
+            tape.gradient(total, plain))
+
     def test_dilated_as_phases_equals_keras_dilated_convolution(self):
         # Sizes that are and are not a whole number of phases, kernels
         # of 1 to 3 taps, rates per dim, 1-D to 3-D, all three kinds.

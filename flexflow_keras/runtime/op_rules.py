@@ -7,7 +7,9 @@ equal to plain Keras:
 
 - `substitutes(mesh)`: while a step is traced, Keras's TensorFlow
   backend builds `keras.ops.flip` (`ReverseV2`, used by `Bidirectional`)
-  from gathers, which DTensor shards (same values, bit for bit); runs a
+  from gathers, which DTensor shards (same values, bit for bit), and
+  `tf.roll` (`keras.ops.roll`: Swin's shifted windows) from slices and
+  a concat (`roll_by_slices`, bit for bit too); runs a
   dilated convolution (TensorFlow's `SpaceToBatchND`/`BatchToSpaceND`)
   as its phases beside the batch, with reshapes and transposes (same
   values up to the order of float sums); runs depthwise and separable
@@ -112,6 +114,54 @@ def flip_by_gather(x: Any, axis: Any = None) -> tf.Tensor:
     for a in axes:
         x = tf.gather(x, tf.range(tf.shape(x)[a] - 1, -1, -1), axis=a)
     return x
+
+
+def roll_by_slices(roll: Any) -> Any:
+    """`tf.roll` (what `keras.ops.roll` calls) as a slice and a concat
+    per axis, or as a gather where the axis's size is known only at run
+    time.
+
+    Why: DTensor has no rule for `Roll` (TF 2.21), so a layer that rolls
+    (keras.io's Swin Transformer shifts its windows by `ops.roll` along
+    height and width) ran it replicated and the search kept the layer
+    whole on one device. Slices, concats and gathers keep the other dims'
+    splits (the batch); along the batch axis itself the concat is
+    `_concat_on`'s, whole. Same values, bit for bit. A shift or axis known
+    only at run time goes to TensorFlow's op, as before."""
+
+    def rolled(input, shift, axis, name=None):
+        x = tf.convert_to_tensor(input)
+        rank = x.shape.rank
+        shifts = tf.get_static_value(shift)
+        axes = tf.get_static_value(axis)
+        if rank is None or shifts is None or axes is None:
+            return roll(input, shift, axis, name=name)
+        shifts = np.atleast_1d(shifts).tolist()
+        axes = [int(a) % rank for a in np.atleast_1d(axes).tolist()]
+        if len(shifts) != len(axes):
+            return roll(input, shift, axis, name=name)
+        total = {}
+        for s, a in zip(shifts, axes):
+            # TensorFlow adds the shifts given for one axis.
+            total[a] = total.get(a, 0) + int(s)
+        for a, s in total.items():
+            n = x.shape[a]
+            if n is None:
+                n = tf.shape(x)[a]
+                x = tf.gather(x, tf.math.floormod(tf.range(n) - s, n),
+                              axis=a)
+                continue
+            s %= max(n, 1)
+            if s:
+                begin, size = [0] * rank, [-1] * rank
+                size[a] = n - s
+                head = tf.slice(x, begin, size)
+                begin[a], size[a] = n - s, s
+                tail = tf.slice(x, begin, size)
+                x = tf.concat([tail, head], a)
+        return x
+
+    return rolled
 
 
 def _size(x: Any, axis: int) -> Any:
@@ -686,6 +736,8 @@ def substitutes(mesh: Any) -> Iterator[None]:
     TensorFlow's."""
     saved = _draw_substitutes(mesh) + [
         (tf_numpy, "flip", flip_by_gather),
+        # `keras.ops.roll` calls `tf.roll`, as a user's own layer may.
+        (tf, "roll", roll_by_slices(tf.roll)),
         # In a user's step, and through `keras.ops`: along the batch.
         (tf, "concat", _concat_on(mesh, tf.concat)),
         (tf, "split", _split_on(mesh, tf.split)),

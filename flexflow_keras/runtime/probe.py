@@ -78,9 +78,10 @@ _MAX_SWITCHES = 4  # ops turned replicated before a probe gives up
 # captured constants were copied: `variables.captures_on_mesh`, or
 # stateful draws were made stateless: `stateful_draws`, or before
 # `keras.ops.cond` ran as the step runs it: `step_rules`, or before
-# lookups of fixed tables came out whole: `op_rules._table_lookups_whole`)
-# are not reused.
-_PROBE_VERSION = "probe7"
+# lookups of fixed tables came out whole: `op_rules._table_lookups_whole`,
+# or before `tf.roll` ran as slices: `op_rules.roll_by_slices`) are not
+# reused.
+_PROBE_VERSION = "probe8"
 _MISSING_RULE = re.compile(r"'tf\.(\w+)' op does not implement")
 
 
