@@ -146,19 +146,21 @@ def roll_by_slices(roll: Any) -> Any:
             total[a] = total.get(a, 0) + int(s)
         for a, s in total.items():
             n = x.shape[a]
+            if n is not None:
+                s %= max(n, 1)
+            if not s:
+                continue
             if n is None:
                 n = tf.shape(x)[a]
                 x = tf.gather(x, tf.math.floormod(tf.range(n) - s, n),
                               axis=a)
                 continue
-            s %= max(n, 1)
-            if s:
-                begin, size = [0] * rank, [-1] * rank
-                size[a] = n - s
-                head = tf.slice(x, begin, size)
-                begin[a], size[a] = n - s, s
-                tail = tf.slice(x, begin, size)
-                x = tf.concat([tail, head], a)
+            begin, size = [0] * rank, [-1] * rank
+            size[a] = n - s
+            head = tf.slice(x, begin, size)
+            begin[a], size[a] = n - s, s
+            tail = tf.slice(x, begin, size)
+            x = tf.concat([tail, head], a)
         return x
 
     return rolled
