@@ -28,7 +28,7 @@ class OpRulesTest(unittest.TestCase):
 
     def test_roll_by_slices_is_roll_bit_for_bit(self):
         x = tf.reshape(tf.range(120.0), (2, 3, 4, 5))
-        rolled = op_rules.roll_by_slices(tf.roll)
+        rolled = op_rules.roll_by_slices(None, tf.roll)
         cases = [(1, 1), (-1, 2), (7, -1), (0, 3), (4, 2), ([2, -3], [1, 2]),
                  ([1, 1], [2, 2]), ([-5, 2, 9], [3, 1, 0]), (1, 0)]
         for shift, axis in cases:
@@ -62,28 +62,41 @@ class OpRulesTest(unittest.TestCase):
             out = keras.ops.roll(inputs, shift=[-2, -2], axis=[1, 2])
             return keras.ops.roll(out * out, shift=[2, 2], axis=[1, 2])
 
-        @tf.function
-        def step(inputs):
-            with op_rules.substitutes(mesh), tf.GradientTape() as tape:
-                tape.watch(inputs)
-                out = shifted(inputs)
-                total = tf.reduce_sum(out * tf.range(3.0))
-            return out, tape.gradient(total, inputs)
+        def paired(inputs):
+            # Each sample mixed with the next (a batch rolled along the
+            # batch axis, as a mixup may pair them), then shifted.
+            mixed = 0.7 * inputs + 0.3 * keras.ops.roll(inputs, 1, axis=0)
+            return keras.ops.roll(mixed * mixed, [-3, 2], [0, 1])
 
-        out, grad = step(sharded)
-        self.assertEqual(dtensor.fetch_layout(out).sharding_specs[0], "a0")
-        self.assertEqual(dtensor.fetch_layout(grad).sharding_specs[0], "a0")
-        plain = tf.constant(x)
-        with tf.GradientTape() as tape:
-            tape.watch(plain)
-            expected = shifted(plain)
-            total = tf.reduce_sum(expected * tf.range(3.0))
-        np.testing.assert_array_equal(
-            np.concatenate([t.numpy() for t in dtensor.unpack(out)]),
-            expected)
-        np.testing.assert_array_equal(
-            np.concatenate([t.numpy() for t in dtensor.unpack(grad)]),
-            tape.gradient(total, plain))
+        def whole(t):
+            if dtensor.fetch_layout(t).sharding_specs[0] == "a0":
+                return np.concatenate([p.numpy() for p in dtensor.unpack(t)])
+            return dtensor.unpack(t)[0].numpy()
+
+        for f, split in ((shifted, True), (paired, False)):
+            @tf.function
+            def step(inputs):
+                with op_rules.substitutes(mesh), tf.GradientTape() as tape:
+                    tape.watch(inputs)
+                    out = f(inputs)
+                    total = tf.reduce_sum(out * tf.range(3.0))
+                return out, tape.gradient(total, inputs)
+
+            with self.subTest(f.__name__):
+                out, grad = step(sharded)
+                if split:
+                    self.assertEqual(
+                        dtensor.fetch_layout(out).sharding_specs[0], "a0")
+                self.assertEqual(
+                    dtensor.fetch_layout(grad).sharding_specs[0], "a0")
+                plain = tf.constant(x)
+                with tf.GradientTape() as tape:
+                    tape.watch(plain)
+                    expected = f(plain)
+                    total = tf.reduce_sum(expected * tf.range(3.0))
+                np.testing.assert_array_equal(whole(out), expected)
+                np.testing.assert_array_equal(whole(grad),
+                                              tape.gradient(total, plain))
 
     def test_dilated_as_phases_equals_keras_dilated_convolution(self):
         # Sizes that are and are not a whole number of phases, kernels

@@ -114,6 +114,37 @@ def build_train_step(mod):
     return model, _dense_data()
 
 
+class MixWithNext(keras.layers.Layer):
+    """In training, each sample's features mixed with the next sample's
+    (`ops.roll` along the batch axis: manifold mixup)."""
+
+    def call(self, x, training=False):
+        if training:
+            return 0.75 * x + 0.25 * keras.ops.roll(x, 1, axis=0)
+        return x
+
+
+def build_mixup_by_roll(mod):
+    """A `train_step` that mixes each sample with the next one in the
+    batch (`ops.roll` along the batch axis), inputs and targets, then
+    runs Keras's own step on the mixed batch; a layer mixes the hidden
+    features too, on a batch the strategy may split."""
+
+    class Mixup(mod.Model):
+        def train_step(self, data):
+            x, y = data
+            ops = keras.ops
+            x = 0.75 * x + 0.25 * ops.roll(x, 1, axis=0)
+            y = 0.75 * y + 0.25 * ops.roll(y, 1, axis=0)
+            return super().train_step((x, y))
+
+    inputs = mod.Input((8,))
+    h = MixWithNext()(mod.layers.Dense(16, activation="relu")(inputs))
+    model = Mixup(inputs, mod.layers.Dense(4)(h))
+    model.compile(optimizer="adam", loss="mse")
+    return model, _dense_data()
+
+
 def _distiller_class(mod):
     class Distiller(mod.Model):
         """Keras's distillation example, shortened: a student learns from
@@ -431,6 +462,7 @@ OPTION_CASES = {
 FEATURES = {
     "train_step": build_train_step,
     "train_step_without_call": build_train_step_without_call,
+    "mixup_by_roll": build_mixup_by_roll,
     "encoder_built_in_step": build_encoder_built_in_step,
     "distiller_compute_loss": build_distiller,
     "distiller_conv_teacher": build_conv_distiller,

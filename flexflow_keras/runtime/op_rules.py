@@ -116,7 +116,7 @@ def flip_by_gather(x: Any, axis: Any = None) -> tf.Tensor:
     return x
 
 
-def roll_by_slices(roll: Any) -> Any:
+def roll_by_slices(mesh: Any, roll: Any) -> Any:
     """`tf.roll` (what `keras.ops.roll` calls) as a slice and a concat
     per axis, or as a gather where the axis's size is known only at run
     time.
@@ -125,9 +125,12 @@ def roll_by_slices(roll: Any) -> Any:
     (keras.io's Swin Transformer shifts its windows by `ops.roll` along
     height and width) ran it replicated and the search kept the layer
     whole on one device. Slices, concats and gathers keep the other dims'
-    splits (the batch); along the batch axis itself the concat is
-    `_concat_on`'s, whole. Same values, bit for bit. A shift or axis known
-    only at run time goes to TensorFlow's op, as before."""
+    splits (the batch). Along the batch axis (a batch rolled to pair each
+    sample with another) the input is relaid whole first, as `_concat_on`
+    does: a slice of a split dim kept the split, which DTensor then could
+    not lay out ("5 rows on 4 devices", measured). Same values, bit for
+    bit. A shift or axis known only at run time goes to TensorFlow's op,
+    as before."""
 
     def rolled(input, shift, axis, name=None):
         x = tf.convert_to_tensor(input)
@@ -144,6 +147,8 @@ def roll_by_slices(roll: Any) -> Any:
         for s, a in zip(shifts, axes):
             # TensorFlow adds the shifts given for one axis.
             total[a] = total.get(a, 0) + int(s)
+        if 0 in total and _batch_data(x):
+            x = _relaid_whole(mesh, x)
         for a, s in total.items():
             n = x.shape[a]
             if n is not None:
@@ -739,7 +744,7 @@ def substitutes(mesh: Any) -> Iterator[None]:
     saved = _draw_substitutes(mesh) + [
         (tf_numpy, "flip", flip_by_gather),
         # `keras.ops.roll` calls `tf.roll`, as a user's own layer may.
-        (tf, "roll", roll_by_slices(tf.roll)),
+        (tf, "roll", roll_by_slices(mesh, tf.roll)),
         # In a user's step, and through `keras.ops`: along the batch.
         (tf, "concat", _concat_on(mesh, tf.concat)),
         (tf, "split", _split_on(mesh, tf.split)),
