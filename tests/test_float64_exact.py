@@ -27,6 +27,7 @@ import pytest
 import flexflow_keras as fk
 from flexflow_keras import runtime, search_space
 from flexflow_keras.keras_graph import build_graph
+from flexflow_keras.planner import _one_mesh_reason
 
 import test_layer_support
 import test_own_step
@@ -97,8 +98,9 @@ def train_in_lockstep(test, name, strategies):
         _fit_one_batch(plain, x, y)
         graph = build_graph(ours, BATCH)
         parts = None
-        if runtime.own_step_reasons(ours) or any(
-                op.shares_weights_with for op in graph):
+        # compile()'s rule: such models are planned on one mesh (their
+        # own step; a layer's add_loss, found in the graph).
+        if runtime.own_step_reasons(ours) or _one_mesh_reason(graph):
             parts = search_space.one_mesh_devices(graph, 4)
         rng = random.Random(name)
         for index in range(strategies):
@@ -108,13 +110,13 @@ def train_in_lockstep(test, name, strategies):
                     warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 ours_logs = _fit_one_batch(ours, x, y)
+                plain_logs = _fit_one_batch(plain, x, y)
                 # Not handed over to plain Keras (which computes what
                 # plain Keras computes, and would pass below).
                 test.assertEqual(
                     [str(w.message) for w in caught
                      if "plain Keras" in str(w.message)], [],
                     f"{name} under {dict(strategy)}")
-                plain_logs = _fit_one_batch(plain, x, y)
                 test.assertEqual(ours.weights[0].dtype, "float64")
                 for key, values in plain_logs.items():
                     np.testing.assert_allclose(
