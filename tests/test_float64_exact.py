@@ -80,6 +80,13 @@ def _relative_gap(plain, ours):
     ), default=0.0)
 
 
+def _not_handed_over(test, caught, where):
+    """No warning in `caught` says the model went to plain Keras: such a
+    step computes what plain Keras computes and passes every comparison."""
+    test.assertEqual([str(w.message) for w in caught
+                      if "plain Keras" in str(w.message)], [], where)
+
+
 def train_in_lockstep(test, name, strategies):
     """Feature `name` in float64, plain Keras and ours from the same
     seed; after planning, one batch a step, each step under the next of
@@ -111,12 +118,8 @@ def train_in_lockstep(test, name, strategies):
                 warnings.simplefilter("always")
                 ours_logs = _fit_one_batch(ours, x, y)
                 plain_logs = _fit_one_batch(plain, x, y)
-                # Not handed over to plain Keras (which computes what
-                # plain Keras computes, and would pass below).
-                test.assertEqual(
-                    [str(w.message) for w in caught
-                     if "plain Keras" in str(w.message)], [],
-                    f"{name} under {dict(strategy)}")
+                _not_handed_over(test, caught,
+                                 f"{name} under {dict(strategy)}")
                 test.assertEqual(ours.weights[0].dtype, "float64")
                 for key, values in plain_logs.items():
                     np.testing.assert_allclose(
@@ -141,10 +144,14 @@ def runtime_models_in_lockstep(test, name, optimizer, strategies):
             strategy = support.random_strategy(rng.randrange(10**6))(graph)
             runtime.attach_strategy(ours, graph, strategy)
             with test.subTest(model=name, optimizer=optimizer,
-                              strategy=index):
+                              strategy=index), \
+                    warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 np.testing.assert_allclose(
                     ours.train_on_batch(x, y), plain.train_on_batch(x, y),
                     rtol=RTOL, err_msg=f"{name} under {dict(strategy)}")
+                _not_handed_over(test, caught,
+                                 f"{name} under {dict(strategy)}")
                 test.assertLessEqual(_relative_gap(plain, ours), RTOL,
                                      f"{name} under {dict(strategy)}")
 
