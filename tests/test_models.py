@@ -339,8 +339,10 @@ class PlainKerasFallbackTest(unittest.TestCase):
     # An op without a DTensor rule inside a layer is found by the probe
     # before the search and runs replicated (tests/test_capabilities.py);
     # one in the model's own step shows only when the step first runs.
-    # `Roll` is used here only: DTensor keeps a switch on for the process
-    # once read, and no test turns Roll's on. The step's first-run retry
+    # `Roll` by a shift known only at run time is used here only (a
+    # static shift runs as slices: `op_rules.roll_by_slices`): DTensor
+    # keeps a switch on for the process once read, and no test turns
+    # Roll's on. The step's first-run retry
     # with the blamed op replicated (which makes `Roll` run: the WGAN-GP's
     # DynamicStitch in test_step_patterns) is off here, so that the last
     # resort, plain Keras, is what these tests check.
@@ -351,6 +353,15 @@ class PlainKerasFallbackTest(unittest.TestCase):
         self.addCleanup(retries.stop)
 
     @staticmethod
+    def rolled(t):
+        """`t` rolled by 1 along axis 1, the shift read from the data (0
+        + 1), so that it is known only at run time: TensorFlow's `Roll`,
+        which DTensor has no rule for."""
+        ops = keras.ops
+        shift = ops.cast(ops.sum(ops.zeros_like(t)), "int32") + 1
+        return ops.roll(t, shift, axis=1)
+
+    @staticmethod
     def build_rolled(cls, seed):
         """A model whose loss and predictions roll the outputs."""
 
@@ -358,12 +369,14 @@ class PlainKerasFallbackTest(unittest.TestCase):
             def compute_loss(self, x=None, y=None, y_pred=None,
                              sample_weight=None, training=True):
                 return super().compute_loss(
-                    x, y, keras.ops.roll(y_pred, 1, axis=1), sample_weight,
+                    x, y, PlainKerasFallbackTest.rolled(y_pred),
+                    sample_weight,
                     training,
                 )
 
             def predict_step(self, data):
-                return keras.ops.roll(super().predict_step(data), 1, axis=1)
+                return PlainKerasFallbackTest.rolled(
+                    super().predict_step(data))
 
         keras.utils.set_random_seed(seed)
         inputs = keras.Input((6, 4))
@@ -407,7 +420,7 @@ class PlainKerasFallbackTest(unittest.TestCase):
                 def compute_loss(self, x=None, y=None, y_pred=None,
                                  sample_weight=None, training=True):
                     if not training:
-                        y_pred = keras.ops.roll(y_pred, 1, axis=1)
+                        y_pred = PlainKerasFallbackTest.rolled(y_pred)
                     return super().compute_loss(
                         x, y, y_pred, sample_weight, training)
 
