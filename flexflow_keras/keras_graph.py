@@ -6,7 +6,8 @@ values (`fill_arguments`). The only module of the planning stages that
 reads Keras objects.
 """
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from flexflow_keras import op_specs
@@ -205,8 +206,9 @@ def trace_call(model: Any, inputs: Any, batch_size: int) -> str | None:
         for batch in (None, batch_size):
             tracer = _as_one_op if whole else _traced
             try:
-                function = tracer(model, inputs if batch is None
-                                  else _with_batch(inputs, batch))
+                with _quiet_auto_builds():
+                    function = tracer(model, inputs if batch is None
+                                      else _with_batch(inputs, batch))
             except Exception as error:  # noqa: BLE001 - no graph
                 # The first failure is the one reported.
                 failure = failure or f"{type(error).__name__}: {error}"
@@ -235,6 +237,29 @@ def trace_call(model: Any, inputs: Any, batch_size: int) -> str | None:
         state.traced_function, state.traced_whole = function, False
         return None
     return failure
+
+
+@contextlib.contextmanager
+def _quiet_auto_builds() -> Iterator[None]:
+    """Keras's warnings that it could not build a layer by tracing its
+    call, silenced while a model's call is traced for its graph.
+
+    They are about the trace, not the user's code: sizes a call takes
+    with `tf.shape` and passes to the next layer are known on the real
+    tensors plain Keras builds on, and unknown on symbolic ones (keras.io's
+    focal modulation network passes `height, width, channels` from layer
+    to layer). A trace that fails there is followed by one that builds
+    the model as one op (`_as_one_op`); the step builds nothing the
+    user's first call would not."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"Layer '.*' looks like it has unbuilt state")
+        warnings.filterwarnings(
+            "ignore", message=r"`build\(\)` was called on layer '.*', "
+            r"however the layer does not have a `build\(\)` method")
+        yield
 
 
 def _as_one_op(model: Any, inputs: Any) -> Any:
@@ -298,8 +323,9 @@ def _traced_at(model: Any, batch_size: int) -> Any:
     if function is None:
         tracer = _as_one_op if state.traced_whole else _traced
         try:
-            function = tracer(
-                model, _with_batch(state.trace_inputs, batch_size))
+            with _quiet_auto_builds():
+                function = tracer(
+                    model, _with_batch(state.trace_inputs, batch_size))
         except Exception as error:  # noqa: BLE001 - said, not raised
             raise UntracedBatchSize(
                 f"its call() runs on batches of {state.traced_batch} but "

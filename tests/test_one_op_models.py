@@ -28,7 +28,8 @@ import flexflow_keras as fk
 from flexflow_keras import keras_graph
 
 from runtime_support import (
-    assert_own_step_under_strategy, assert_same_runs, train_plain_and_ours,
+    assert_own_step_under_strategy, assert_same_runs, fresh_caches,
+    train_plain_and_ours,
 )
 
 ROWS, FEATURES, BATCH = 64, 6, 16
@@ -79,6 +80,68 @@ def build_token(mod):
     return model
 
 
+def build_focal(mod):
+    """keras.io's focal modulation network in small: a layer keeps a
+    tensor of its call as an attribute (`self.gates = ...`), layers pass
+    sizes taken with `tf.shape` to the next (which the symbolic trace
+    cannot follow, so the model is one op), and Dropout draws inside."""
+
+    class Gated(mod.layers.Layer):
+        def __init__(self, dim, **kwargs):
+            super().__init__(**kwargs)
+            self.dim = dim
+            self.proj = mod.layers.Dense(2 * dim + 1, name="proj")
+            self.out = mod.layers.Dense(dim, name="out")
+            self.drop = mod.layers.Dropout(0.25, seed=3)
+
+        def call(self, x, training=None):
+            query, context, self.gates = tf.split(
+                self.proj(x), [self.dim, self.dim, 1], axis=-1)
+            return self.drop(self.out(query * context * self.gates),
+                             training=training)
+
+    class Embed(mod.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.conv = mod.layers.Conv2D(4, 2, strides=2, name="conv")
+
+        def call(self, x):
+            x = self.conv(x)
+            height, width = tf.shape(x)[1], tf.shape(x)[2]
+            channels = tf.shape(x)[3]
+            return (tf.reshape(x, (-1, height * width, channels)),
+                    height, width, channels)
+
+    class Basic(mod.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.block = Gated(4)
+
+        def call(self, x, height, width, channels, training=None):
+            x = tf.reshape(x, (-1, height, width, channels))
+            x = self.block(x, training=training)
+            return tf.reshape(x, (-1, height * width, channels))
+
+    class Focal(mod.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.embed = Embed()
+            self.basic = Basic()
+            self.head = mod.layers.Dense(3, name="head")
+
+        def call(self, x, training=None):
+            x, height, width, channels = self.embed(x)
+            x = self.basic(x, height, width, channels, training=training)
+            return self.head(tf.reduce_mean(x, axis=1))
+
+    model = Focal(name="focal")
+    options = {"search_budget": 50} if mod is fk else {}
+    model.compile(optimizer="adam", metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True), **options)
+    return model
+
+
 class LayersMadeInBuild(fk.Model):
     """Layers made in `build()`, Keras ops only in `call()`: traced
     layer by layer once built, as Keras's first call builds it."""
@@ -117,6 +180,28 @@ class OneOpModelTest(unittest.TestCase):
         self.assertGreater(config.dims[0], 1, config)  # the batch split
         assert_same_runs(self, runs)
 
+
+    def test_tensor_kept_on_a_layer_and_sizes_passed_between_layers(self):
+        """Before, the probe copied the graph tensor `self.gates` kept
+        from the trace ("Cannot convert a symbolic tf.Tensor ... to a
+        numpy array") and the model trained as plain Keras on one
+        device, after two Keras warnings about unbuilt state that only
+        the trace caused."""
+        fresh_caches(self)  # a cached probe would hide the failure
+        rng = np.random.default_rng(2)
+        x = rng.random((ROWS, 8, 8, 3)).astype("float32")
+        y = rng.integers(0, 3, ROWS)
+        runs = train_plain_and_ours(
+            build_focal, 5, lambda model: model.fit(
+                x, y, batch_size=BATCH, epochs=2, shuffle=False,
+                verbose=0).history)
+        assert_own_step_under_strategy(self, runs)
+        self.assertFalse([m for m in runs["ours"][2] if "unbuilt" in m],
+                         runs["ours"][2])
+        ours = runs["ours"][0]
+        self.assertEqual([op.name for op in ours.plan.graph], ["focal"])
+        self.assertGreater(ours.strategy["focal"].dims[0], 1)
+        assert_same_runs(self, runs)
 
     def test_traced_on_each_batch_size_where_it_needs_one(self):
         rng = np.random.default_rng(1)

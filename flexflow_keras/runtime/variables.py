@@ -259,8 +259,14 @@ def _read_all(pairs: list[tuple[Any, Any, Any]]) -> Any:
 def _needs_copy(value: Any) -> bool:
     """Whether `value` is a regular tensor DTensor refuses to take in a
     step (larger than a scalar; not a string, a variable's handle or a
-    variant) and the step needs as a replicated DTensor copy."""
-    return (isinstance(value, tf.Tensor) and bool(value.shape.rank)
+    variant) and the step needs as a replicated DTensor copy.
+
+    Eager tensors only: a graph tensor a layer kept from an earlier trace
+    (keras.io's focal modulation network sets `self.gates = tf.split(...)`
+    in `call`) has no value to copy, and the layer's next call replaces
+    it before reading it."""
+    return (isinstance(value, tf.Tensor) and not tf.is_symbolic_tensor(value)
+            and bool(value.shape.rank)
             and value.dtype not in (tf.string, tf.resource, tf.variant)
             and not dtensor.is_dtensor(value))
 
