@@ -250,6 +250,21 @@ FEATURES = {
     "custom_convolution_op": image_layer(
         lambda mod: ConvOp(4, 3, padding="same")
     ),
+    # TensorFlow has no CPU kernel for their gradients (plain Keras
+    # compiles them with XLA): depthwise with a multiplier, two groups
+    # of 3 channels, dilated depthwise (ConvNeXt's, focal modulation's).
+    "grouped_convs": image_layer(
+        lambda mod: mod.Sequential([
+            mod.layers.Conv2D(6, 3, groups=3, padding="same",
+                              activation="gelu"),
+            mod.layers.Conv2D(6, 3, groups=2, padding="same"),
+            mod.layers.Conv2D(6, 3, groups=6, dilation_rate=2,
+                              padding="same"),
+        ])
+    ),
+    "grouped_conv1d": sequence_layer(
+        lambda mod: mod.layers.Conv1D(6, 3, groups=3, padding="causal")
+    ),
     "atrous_pyramid": build_atrous_pyramid,
     "relative_position_bias": build_relative_position_bias,
     "shifted_windows": build_shifted_windows,
@@ -257,7 +272,7 @@ FEATURES = {
 FAST = (
     "subclassed_mlp", "average_pooling", "shared_tower_average_pooling",
     "bidirectional_lstm", "atrous_pyramid", "relative_position_bias",
-    "shifted_windows",
+    "shifted_windows", "grouped_convs",
 )
 
 

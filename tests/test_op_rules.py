@@ -228,6 +228,70 @@ class OpRulesTest(unittest.TestCase):
         np.testing.assert_allclose(dtensor.unpack(grad_kernel)[0].numpy(),
                                    expected_grads[1], rtol=1e-4, atol=1e-3)
 
+    def test_grouped_convolutions_keep_the_batch_split(self):
+        """TensorFlow has no CPU kernel for a grouped convolution's
+        gradients; plain Keras compiles it with XLA, a DTensor step does
+        not ("Gradients for grouped convolutions are not supported on
+        CPU" without `ungrouped`). Depthwise (one channel a group, a
+        multiplier of 2; dilated), two groups of 3 channels, 1-D ones and
+        a 3-D one: values and gradients equal plain Keras's, the batch split."""
+        import keras
+        from tensorflow.experimental import dtensor
+
+        mesh = dtensor.create_mesh([("a0", 4)], device_type="CPU")
+        batch = lambda rank: dtensor.Layout.batch_sharded(  # noqa: E731
+            mesh, "a0", rank)
+        cases = [  # (input shape, kernel shape, conv arguments)
+            ((8, 9, 9, 6), (3, 3, 1, 12), {"padding": "same"}),
+            ((8, 9, 9, 6), (3, 3, 1, 6),
+             {"padding": "same", "dilation_rate": 2}),
+            ((8, 9, 9, 6), (3, 3, 3, 4), {"strides": 2}),
+            ((8, 11, 6), (3, 2, 9), {}),
+            ((8, 11, 6), (3, 1, 12), {"padding": "same"}),
+            ((8, 4, 5, 5, 4), (2, 2, 2, 2, 4), {}),  # one per group
+        ]
+        rng = np.random.default_rng(0)
+        for shape, kernel_shape, arguments in cases:
+            with self.subTest(shape=shape, kernel=kernel_shape,
+                              **arguments):
+                x = rng.random(shape, dtype=np.float32)
+                w = rng.normal(size=kernel_shape).astype(np.float32)
+                rank = len(shape)
+                kernel = dtensor.copy_to_mesh(
+                    w, dtensor.Layout.replicated(mesh, len(kernel_shape)))
+                sharded = dtensor.relayout(dtensor.copy_to_mesh(
+                    x, dtensor.Layout.replicated(mesh, rank)), batch(rank))
+
+                @tf.function
+                def step(inputs):
+                    with op_rules.substitutes(mesh), \
+                            tf.GradientTape() as tape:
+                        tape.watch([inputs, kernel])
+                        out = keras.ops.conv(inputs, kernel, **arguments)
+                        total = tf.reduce_sum(out * out)
+                    return out, tape.gradient(total, [inputs, kernel])
+
+                out, (grad_x, grad_kernel) = step(sharded)
+                for value in (out, grad_x):
+                    self.assertEqual(
+                        dtensor.fetch_layout(value).sharding_specs[0], "a0")
+                with tf.GradientTape() as tape:
+                    plain, plain_kernel = tf.constant(x), tf.constant(w)
+                    tape.watch([plain, plain_kernel])
+                    expected = keras.ops.conv(plain, plain_kernel,
+                                              **arguments)
+                    total = tf.reduce_sum(expected * expected)
+                expected_grads = tape.gradient(total, [plain, plain_kernel])
+                whole = lambda t: np.concatenate(  # noqa: E731
+                    [part.numpy() for part in dtensor.unpack(t)])
+                np.testing.assert_allclose(whole(out), expected,
+                                           rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(whole(grad_x), expected_grads[0],
+                                           rtol=1e-4, atol=1e-4)
+                np.testing.assert_allclose(
+                    dtensor.unpack(grad_kernel)[0].numpy(),
+                    expected_grads[1], rtol=1e-4, atol=1e-3)
+
     def test_einsum_matmul_equals_keras_matmul(self):
         import keras
 

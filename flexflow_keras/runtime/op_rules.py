@@ -74,6 +74,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 from keras import tree
+from keras.src.backend.config import standardize_data_format
 from tensorflow.experimental import dtensor
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import (
@@ -262,6 +263,94 @@ def _undilated(convolution: Any, kernel: str) -> Any:
         return dilated_as_phases(convolution, arguments, rates, kernel)
 
     return run
+
+
+# The arguments of Keras's backend `conv`, which `ungrouped` is called
+# with (Keras passes them by position).
+_KERAS_CONV = inspect.signature(tf_nn.conv)
+
+
+def ungrouped(mesh: Any, convolution: Any) -> Any:
+    """Keras's backend `conv` whose kernel has fewer input channels than
+    its input (`groups` > 1), on a CPU mesh, as a depthwise convolution,
+    whose gradients TensorFlow's CPU kernels compute.
+
+    Why: TensorFlow 2.21 has no CPU kernel for a grouped convolution's
+    gradients ("Gradients for grouped convolutions are not supported on
+    CPU"). Plain Keras compiles such a convolution with XLA
+    (`_conv_xla`), which a DTensor step does not: keras.io's focal
+    modulation network (a depthwise `Conv2D(groups=dim)`) and any
+    ConvNeXt-like model trained as plain Keras on one device.
+
+    How (`_grouped_as_depthwise`): each input channel through the
+    kernel of each output of its group, a depthwise convolution with the
+    group's outputs as its multiplier, whose gradient `depthwise` splits
+    by the batch; then the products of a group's input channels summed.
+    The same multiplications as the grouped convolution and one op
+    whatever the number of groups (keras.io's MelGAN has 256); only the
+    order of the sums differs. 3-D or channels-first: each group's slice
+    through its slice of the kernel, concatenated. A GPU mesh runs
+    TensorFlow's grouped op."""
+    if mesh.device_type() != "CPU":
+        return convolution
+
+    def run(*args, **kwargs):
+        bound = _KERAS_CONV.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        inputs = tf.convert_to_tensor(arguments["inputs"])
+        kernel = tf.convert_to_tensor(arguments["kernel"])
+        first = standardize_data_format(
+            arguments["data_format"]) == "channels_first"
+        axis = 1 if first else -1
+        channels, per_group = inputs.shape[axis], kernel.shape[-2]
+        if channels is None or per_group is None \
+                or channels == per_group:
+            return convolution(**arguments)
+        groups = channels // per_group
+        arguments["inputs"] = inputs
+        if not first and len(inputs.shape) in (3, 4):
+            return _grouped_as_depthwise(arguments, kernel, groups)
+        parts = tf.split(inputs, groups, axis=axis)
+        kernels = tf.split(kernel, groups, axis=-1)
+        return tf.concat([
+            convolution(**dict(arguments, inputs=part, kernel=weights))
+            for part, weights in zip(parts, kernels)
+        ], axis=axis)
+
+    return run
+
+
+def _grouped_as_depthwise(arguments: dict, kernel: Any,
+                          groups: int) -> tf.Tensor:
+    """`ungrouped`'s channels-last 1-D or 2-D convolution: a depthwise
+    one whose kernel for input channel `g * c + j` and multiplier `m` is
+    the grouped kernel's `[..., j, g * outputs + m]`, then the `c` input
+    channels of each group summed."""
+    taps = tuple(kernel.shape[:-2])
+    per_group, filters = kernel.shape[-2], kernel.shape[-1]
+    outputs = filters // groups
+    rank = len(taps)
+    depthwise_kernel = tf.reshape(
+        tf.transpose(
+            tf.reshape(kernel, taps + (per_group, groups, outputs)),
+            tuple(range(rank)) + (rank + 1, rank, rank + 2)),
+        taps + (groups * per_group, outputs))
+    # Keras's depthwise op prepends to them as tuples.
+    for name in ("strides", "dilation_rate"):
+        if isinstance(arguments[name], list):
+            arguments[name] = tuple(arguments[name])
+    products = tf_nn.depthwise_conv(
+        **dict(arguments, kernel=depthwise_kernel))
+    if per_group == 1:
+        return products
+    # The batch as -1 and the other sizes as numbers where the trace
+    # knows them: DTensor's reshape needs a shape it can read.
+    spatial = [-1] + [
+        size if size is not None else tf.shape(products)[index]
+        for index, size in enumerate(products.shape[1:-1], start=1)]
+    grouped = tf.reshape(products, spatial + [groups, per_group, outputs])
+    return tf.reshape(tf.reduce_sum(grouped, axis=-2), spatial + [filters])
 
 
 def computed_from_constants(x: Any, depth: int = 8) -> bool:
@@ -749,7 +838,7 @@ def substitutes(mesh: Any) -> Iterator[None]:
         (tf, "concat", _concat_on(mesh, tf.concat)),
         (tf, "split", _split_on(mesh, tf.split)),
         (tf, "tile", _tile_on(mesh, tf.tile)),
-        (tf_nn, "conv", _undilated(tf_nn.conv, "kernel")),
+        (tf_nn, "conv", ungrouped(mesh, _undilated(tf_nn.conv, "kernel"))),
         (tf_nn, "depthwise_conv", _undilated(tf_nn.depthwise_conv,
                                              "kernel")),
         (tf_nn, "separable_conv", _undilated(tf_nn.separable_conv,

@@ -81,7 +81,7 @@ _MAX_SWITCHES = 4  # ops turned replicated before a probe gives up
 # lookups of fixed tables came out whole: `op_rules._table_lookups_whole`,
 # or before `tf.roll` ran as slices: `op_rules.roll_by_slices`) are not
 # reused.
-_PROBE_VERSION = "probe9"
+_PROBE_VERSION = "probe10"
 _MISSING_RULE = re.compile(r"'tf\.(\w+)' op does not implement")
 
 
