@@ -79,8 +79,10 @@ _MAX_SWITCHES = 4  # ops turned replicated before a probe gives up
 # stateful draws were made stateless: `stateful_draws`, or before
 # `keras.ops.cond` ran as the step runs it: `step_rules`, or before
 # lookups of fixed tables came out whole: `op_rules._table_lookups_whole`,
-# or before `tf.roll` ran as slices: `op_rules.roll_by_slices`) are not
-# reused.
+# or before `tf.roll` ran as slices: `op_rules.roll_by_slices`, or
+# before a graph tensor kept on a layer was left uncopied:
+# `variables._needs_copy`, or before grouped convolutions ran as
+# depthwise ones: `op_rules.ungrouped`) are not reused.
 _PROBE_VERSION = "probe10"
 _MISSING_RULE = re.compile(r"'tf\.(\w+)' op does not implement")
 
