@@ -32,6 +32,20 @@ from runtime_support import (
 ROWS, BATCH = 72, 16  # 4 batches of 16 and one of 8
 
 
+class Counting(keras.layers.Layer):
+    """Counts its training calls in a raw `tf.Variable` (untracked by
+    the model) and warms up with the count."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.calls = tf.Variable(0.0, trainable=False)
+
+    def call(self, h, training=None):
+        if training:
+            self.calls.assign_add(1.0)
+        return h * tf.minimum(self.calls / 4.0, 1.0)
+
+
 def images(seed):
     rng = np.random.default_rng(seed)
     x = rng.normal(2.0, 3.0, size=(ROWS, 8, 8, 3)).astype("float32")
@@ -210,16 +224,6 @@ class UntrackedVariablesTest(unittest.TestCase):
 
         fresh_caches(self)
 
-        class Counting(keras.layers.Layer):
-            def __init__(self, **kwargs):
-                super().__init__(**kwargs)
-                self.calls = tf.Variable(0.0, trainable=False)
-
-            def call(self, h, training=None):
-                if training:
-                    self.calls.assign_add(1.0)
-                return h * tf.minimum(self.calls / 4.0, 1.0)
-
         def build_counting(mod):
             inputs = mod.Input((6,))
             h = mod.layers.Dense(16, activation="relu", name="hidden")(
@@ -254,16 +258,6 @@ class UntrackedVariablesTest(unittest.TestCase):
 
         from flexflow_keras import keras_graph
         from flexflow_keras.runtime import probe
-
-        class Counting(keras.layers.Layer):
-            def __init__(self, **kwargs):
-                super().__init__(**kwargs)
-                self.calls = tf.Variable(0.0, trainable=False)
-
-            def call(self, h, training=None):
-                if training:
-                    self.calls.assign_add(1.0)
-                return h * tf.minimum(self.calls / 4.0, 1.0)
 
         inputs = fk.Input((6,))
         model = fk.Model(inputs, Counting(name="counting")(
