@@ -341,3 +341,81 @@ class RandomStrategyTest(unittest.TestCase):
 class RandomStrategySweepTest(unittest.TestCase):
     def test_fifty_per_model(self):
         random_strategy_steps(self, tuple(FEATURES), 50)
+
+
+
+def _failing_train_segments(fail_at):
+    """`step.Executor._train_segments` raising TensorFlow's error for a
+    grouped convolution (as ConvNeXt's first step did on a CPU mesh
+    before `op_rules.ungrouped`) at its `fail_at`-th call, before any
+    weight took that step. Returns (the replacement, its calls)."""
+    import tensorflow as tf
+
+    from flexflow_keras.runtime import step
+
+    original = step.Executor._train_segments
+    calls = []
+
+    def train_segments(self, *args):
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise tf.errors.UnimplementedError(
+                None, None, "Fused conv implementation does not support "
+                "grouped convolutions for now.")
+        return original(self, *args)
+
+    return train_segments, calls
+
+
+def _fit_failing_at(test, fail_at):
+    """Plain Keras and ours over two meshes (`several_meshes`: the
+    layer-by-layer executor), ours failing at its `fail_at`-th step."""
+    from unittest import mock
+
+    from flexflow_keras.runtime import step
+    from runtime_support import fit_plain_and_ours, several_meshes
+
+    def build(mod):
+        inputs = mod.Input((8, 8, 3))
+        h = mod.layers.Conv2D(4, 3, padding="same", activation="relu")(
+            inputs)
+        return mod.Model(inputs, _head(mod, h))
+
+    replacement, calls = _failing_train_segments(fail_at)
+    with mock.patch.object(step.Executor, "_train_segments", replacement):
+        runs = fit_plain_and_ours(
+            build, several_meshes, 16, 0,
+            {"optimizer": "adam", "loss": "mse"}, x=_images(),
+            y=_targets(), epochs=2, shuffle=False, verbose=0)
+    return runs, calls
+
+
+class FirstStepHandOverTest(unittest.TestCase):
+    """TensorFlow failing to run a step under the strategy, layer by
+    layer over several meshes. A first run that failed before any weight
+    took the step changed nothing: the model trains as plain Keras from
+    there, saying so, equal to plain Keras. ConvNeXt's grouped
+    convolution, before `op_rules.ungrouped`, raised "Fused conv
+    implementation does not support grouped convolutions" from this
+    executor's first step instead, where the model's own step (one mesh)
+    handed over. A later step's failure is not DTensor's to blame: it is
+    raised, as before."""
+
+    def test_a_first_step_that_fails_hands_over(self):
+        from runtime_support import assert_same_fits
+
+        (histories, models, messages), calls = _fit_failing_at(self, 1)
+        self.assertEqual(len(calls), 1)  # Keras ran every later step
+        self.assertIsNone(models["ours"].strategy_executor)
+        handed = [m for m in messages if "plain Keras" in m]
+        self.assertEqual(len(handed), 1, messages)
+        self.assertIn("could not run its first train step", handed[0])
+        self.assertIn("grouped convolutions", handed[0])
+        assert_same_fits(self, histories, models)
+
+    def test_a_later_step_that_fails_raises(self):
+        import tensorflow as tf
+
+        with self.assertRaisesRegex(tf.errors.UnimplementedError,
+                                    "grouped convolutions"):
+            _fit_failing_at(self, 3)

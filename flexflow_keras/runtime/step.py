@@ -155,6 +155,10 @@ class Executor:
         self._last_copy = fresh_state.LastCopy()
         self._watched: list = []
         self.updated = False  # some weights took the running train step
+        # (kind, `_variant`) of the running step and of every step that
+        # ran to its end: a step's first run is all-or-nothing (`_failed`).
+        self._running: tuple | None = None
+        self._ran: set[tuple] = set()
         self._fns: dict[tuple, Any] = {}
         self._arrivals: dict[tuple, Any] = {}  # `_arrival`
         # Recurrent layers run rolled (`rolled_rnn`) until a first run
@@ -253,7 +257,10 @@ class Executor:
         mix-up), while unsharded it runs. Each batch size gets its own
         function so no retrace relaxes the batch dim to None.
         """
-        return batch == self.graph.batch_size, batch
+        variant = (batch == self.graph.batch_size, batch)
+        if self._running is not None:
+            self._running = (self._running[0], variant)
+        return variant
 
     def _run_segment(self, seg, values, training, sharded):
         """Runs `seg`'s ops on `values` (name -> DTensor), in place.
@@ -631,12 +638,16 @@ class Executor:
         )
 
     def _run(self, kind: str, batch: Any) -> Any:
+        self._running = (kind, None)  # its variant set by `_variant`
         if kind == "predict":
             x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
-            return self.predict_batch(x)
-        if kind == "train":
-            return self.train_batch(batch)
-        return self.test_batch(batch)
+            outputs = self.predict_batch(x)
+        elif kind == "train":
+            outputs = self.train_batch(batch)
+        else:
+            outputs = self.test_batch(batch)
+        self._ran.add(self._running)
+        return outputs
 
     def _failed(self, kind: str, error: Exception, batches: Any,
                 batch: Any) -> Any:
@@ -654,7 +665,13 @@ class Executor:
                 context.async_clear_error()
                 self._fns.clear()
                 return self.make_function(kind)(batches)
-            return fall_back(self.model, kind, error, batches, self.updated)
+            # A first run that failed before any weight took the step
+            # changed nothing: Keras redoes it (before, ConvNeXt's grouped
+            # convolution raised TensorFlow's error from here, where the
+            # model's own step handed over).
+            first = not self.updated and self._running not in self._ran
+            return fall_back(self.model, kind, error, batches, self.updated,
+                             first)
         raise error
 
     def _to_own_step(self, kind: str, reason: str, data: Any) -> Any:
