@@ -344,32 +344,47 @@ class RandomStrategySweepTest(unittest.TestCase):
 
 
 
-def _failing_train_segments(fail_at):
-    """`step.Executor._train_segments` raising TensorFlow's error for a
-    grouped convolution (as ConvNeXt's first step did on a CPU mesh
-    before `op_rules.ungrouped`) at its `fail_at`-th call, before any
-    weight took that step. Returns (the replacement, its calls)."""
+def _failing_steps(fail_at, part):
+    """`step.Executor._fn` whose `part` functions ("forward" or
+    "backward") raise TensorFlow's error for a grouped convolution (as
+    ConvNeXt's first step did on a CPU mesh before `op_rules.ungrouped`)
+    at the first call of the `fail_at`-th training step, before any
+    weight took it: "backward" after the loss function updated the
+    metrics. Returns (the replacement, the training steps begun)."""
     import tensorflow as tf
 
     from flexflow_keras.runtime import step
 
-    original = step.Executor._train_segments
-    calls = []
+    original_fn = step.Executor._fn
+    original_train = step.Executor.train_batch
+    steps, failed = [], []
 
-    def train_segments(self, *args):
-        calls.append(1)
-        if len(calls) == fail_at:
-            raise tf.errors.UnimplementedError(
-                None, None, "Fused conv implementation does not support "
-                "grouped convolutions for now.")
-        return original(self, *args)
+    def train_batch(self, data):
+        steps.append(1)
+        return original_train(self, data)
 
-    return train_segments, calls
+    def fn(self, kind, *key):
+        function = original_fn(self, kind, *key)
+        if kind != part or (key and key[:1] == (False,)):
+            return function
+
+        def run(*args):
+            if len(steps) == fail_at and not failed:
+                failed.append(1)
+                raise tf.errors.UnimplementedError(
+                    None, None, "Fused conv implementation does not "
+                    "support grouped convolutions for now.")
+            return function(*args)
+
+        return run
+
+    return {"_fn": fn, "train_batch": train_batch}, steps
 
 
-def _fit_failing_at(test, fail_at):
+def _fit_failing_at(test, fail_at, part):
     """Plain Keras and ours over two meshes (`several_meshes`: the
-    layer-by-layer executor), ours failing at its `fail_at`-th step."""
+    layer-by-layer executor) with a metric, ours failing in its
+    `fail_at`-th step's first `part` function (`_failing_steps`)."""
     from unittest import mock
 
     from flexflow_keras.runtime import step
@@ -381,13 +396,13 @@ def _fit_failing_at(test, fail_at):
             inputs)
         return mod.Model(inputs, _head(mod, h))
 
-    replacement, calls = _failing_train_segments(fail_at)
-    with mock.patch.object(step.Executor, "_train_segments", replacement):
+    replacements, steps = _failing_steps(fail_at, part)
+    with mock.patch.multiple(step.Executor, **replacements):
         runs = fit_plain_and_ours(
             build, several_meshes, 16, 0,
-            {"optimizer": "adam", "loss": "mse"}, x=_images(),
-            y=_targets(), epochs=2, shuffle=False, verbose=0)
-    return runs, calls
+            {"optimizer": "adam", "loss": "mse", "metrics": ["mae"]},
+            x=_images(), y=_targets(), epochs=2, shuffle=False, verbose=0)
+    return runs, steps
 
 
 class FirstStepHandOverTest(unittest.TestCase):
@@ -404,18 +419,24 @@ class FirstStepHandOverTest(unittest.TestCase):
     def test_a_first_step_that_fails_hands_over(self):
         from runtime_support import assert_same_fits
 
-        (histories, models, messages), calls = _fit_failing_at(self, 1)
-        self.assertEqual(len(calls), 1)  # Keras ran every later step
-        self.assertIsNone(models["ours"].strategy_executor)
-        handed = [m for m in messages if "plain Keras" in m]
-        self.assertEqual(len(handed), 1, messages)
-        self.assertIn("could not run its first train step", handed[0])
-        self.assertIn("grouped convolutions", handed[0])
-        assert_same_fits(self, histories, models)
+        for part in ("forward", "backward"):
+            with self.subTest(failing=part):
+                (histories, models, messages), steps = _fit_failing_at(
+                    self, 1, part)
+                self.assertEqual(len(steps), 1)  # Keras ran the rest
+                self.assertIsNone(models["ours"].strategy_executor)
+                handed = [m for m in messages if "plain Keras" in m]
+                self.assertEqual(len(handed), 1, messages)
+                self.assertIn("could not run its first train step",
+                              handed[0])
+                self.assertIn("grouped convolutions", handed[0])
+                # The batch counted once in the first epoch's loss and
+                # metric: the failed run's metric updates were undone.
+                assert_same_fits(self, histories, models)
 
     def test_a_later_step_that_fails_raises(self):
         import tensorflow as tf
 
         with self.assertRaisesRegex(tf.errors.UnimplementedError,
                                     "grouped convolutions"):
-            _fit_failing_at(self, 3)
+            _fit_failing_at(self, 3, "forward")

@@ -156,9 +156,11 @@ class Executor:
         self._watched: list = []
         self.updated = False  # some weights took the running train step
         # (kind, `_variant`) of the running step and of every step that
-        # ran to its end: a step's first run is all-or-nothing (`_failed`).
+        # ran to its end: a step's first run is all-or-nothing (`_failed`),
+        # with the metrics' values before it (`_first_run_redone`).
         self._running: tuple | None = None
         self._ran: set[tuple] = set()
+        self._metrics_before: list | None = None
         self._fns: dict[tuple, Any] = {}
         self._arrivals: dict[tuple, Any] = {}  # `_arrival`
         # Recurrent layers run rolled (`rolled_rnn`) until a first run
@@ -260,6 +262,10 @@ class Executor:
         variant = (batch == self.graph.batch_size, batch)
         if self._running is not None:
             self._running = (self._running[0], variant)
+            self._metrics_before = None
+            if self._running not in self._ran:
+                self._metrics_before = [
+                    (v, v.numpy()) for v in self.model.metrics_variables]
         return variant
 
     def _run_segment(self, seg, values, training, sharded):
@@ -639,6 +645,7 @@ class Executor:
 
     def _run(self, kind: str, batch: Any) -> Any:
         self._running = (kind, None)  # its variant set by `_variant`
+        self._metrics_before = None
         if kind == "predict":
             x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
             outputs = self.predict_batch(x)
@@ -657,6 +664,7 @@ class Executor:
         if isinstance(error, OwnStepNeeded):
             return self._to_own_step(kind, str(error), batches)
         if isinstance(error, tf.errors.OpError):
+            first = self._first_run_redone()
             if (not self.updated and not collectives_aborted(error)
                     and not failed_while_running(error)
                     and self.loops.unroll_instead()):
@@ -669,10 +677,26 @@ class Executor:
             # changed nothing: Keras redoes it (before, ConvNeXt's grouped
             # convolution raised TensorFlow's error from here, where the
             # model's own step handed over).
-            first = not self.updated and self._running not in self._ran
             return fall_back(self.model, kind, error, batches, self.updated,
                              first)
         raise error
+
+    def _first_run_redone(self) -> bool:
+        """Whether the failed step can be redone: its first run, before
+        any weight took it. The metrics it updated (its loss function
+        runs before the backward segments) get their values back, so the
+        batch counts once in the epoch's logs."""
+        if self.updated or self._metrics_before is None:
+            return False
+        for variable, value in self._metrics_before:
+            variable.assign(value)
+        known = {id(v) for v, _ in self._metrics_before}
+        for metric in self.model.metrics:
+            # Built by this run (compiled metrics are built on first use):
+            # its state came from this run only.
+            if any(id(v) not in known for v in metric.variables):
+                metric.reset_state()
+        return True
 
     def _to_own_step(self, kind: str, reason: str, data: Any) -> Any:
         """What only the model's own step counts was found at the first
