@@ -382,7 +382,8 @@ def _failing_steps(fail_at, part):
 
 def _fit_failing_at(test, fail_at, part):
     """Plain Keras and ours over two meshes (`several_meshes`: the
-    layer-by-layer executor) with a metric, ours failing in its
+    layer-by-layer executor) with a metric, batch statistics and
+    Dropout (state a failed run must leave as it was), ours failing in its
     `fail_at`-th step's first `part` function (`_failing_steps`)."""
     from unittest import mock
 
@@ -393,7 +394,8 @@ def _fit_failing_at(test, fail_at, part):
         inputs = mod.Input((8, 8, 3))
         h = mod.layers.Conv2D(4, 3, padding="same", activation="relu")(
             inputs)
-        return mod.Model(inputs, _head(mod, h))
+        h = mod.layers.BatchNormalization()(h)
+        return mod.Model(inputs, _head(mod, mod.layers.Dropout(0.3)(h)))
 
     replacements, steps = _failing_steps(fail_at, part)
     with mock.patch.multiple(step.Executor, **replacements):
