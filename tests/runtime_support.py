@@ -4,6 +4,7 @@ Not a test module (it holds no tests): `test_runtime_equivalence.py` and
 `test_runtime_keras.py` import it.
 """
 
+import contextlib
 import os
 import random
 
@@ -348,3 +349,18 @@ def fresh_caches(test):
             os.path.join(folder, f"{module.__name__}.json"))
         patcher.start()
         test.addCleanup(patcher.stop)
+
+
+@contextlib.contextmanager
+def float64():
+    """Keras's float type and its global dtype policy (which Keras
+    caches from the float type when a layer first reads it) in float64,
+    both put back after."""
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    try:
+        yield
+    finally:
+        keras.config.set_floatx(floatx)
+        keras.config.set_dtype_policy(policy)

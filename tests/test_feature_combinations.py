@@ -364,6 +364,97 @@ class FeatureCombinationsTest(unittest.TestCase):
         self.assertIn("seq_loss", runs["ours"][1])
         runtime_support.assert_same_runs(self, runs)
 
+    def test_fine_tuning_then_a_saved_model_trained_on(self):
+        """keras.io's transfer-learning recipe end to end: a frozen base
+        (BatchNormalization called in inference mode) under augmentation
+        and Dropout, a fit; the base unfrozen and the model compiled again
+        at a lower rate, a fit; the model saved, loaded and trained on.
+        Each compile plans again; every phase equals plain Keras.
+
+        In float64: in float32 Adam turns the rounding of the base's
+        small bias gradients into steps of the rate's size (a conv bias
+        3e-5 off plain Keras's after the second fit; equal to 1e-15 in
+        float64), so only float64 can tell a real difference here."""
+        rng = np.random.default_rng(6)
+        x = rng.uniform(size=(96, 16, 16, 3))
+        y = rng.integers(0, 4, size=(96,))
+
+        def build(mod):
+            base = mod.Sequential([
+                mod.Input((16, 16, 3)),
+                mod.layers.Conv2D(8, 3, activation="relu"),
+                mod.layers.BatchNormalization(),
+                mod.layers.MaxPooling2D(),
+                mod.layers.Conv2D(12, 3, activation="relu"),
+                mod.layers.GlobalAveragePooling2D()], name="base")
+            base.trainable = False
+            inputs = mod.Input((16, 16, 3))
+            h = mod.layers.RandomFlip("horizontal", seed=2)(inputs)
+            h = mod.layers.Dropout(0.2, seed=3)(base(h, training=False))
+            model = mod.Model(inputs, mod.layers.Dense(4)(h))
+            model.compile(**compile_args(mod, 1e-2))
+            return model
+
+        def compile_args(mod, rate):
+            options = {"search_budget": 30} if mod is fk else {}
+            return dict(optimizer=keras.optimizers.Adam(rate),
+                        loss=keras.losses.SparseCategoricalCrossentropy(
+                            from_logits=True),
+                        metrics=["accuracy"], **options)
+
+        def train(model):
+            mod = fk if isinstance(model, fk.Model) else keras
+            fit = dict(batch_size=16, shuffle=False, verbose=0)
+            base = model.get_layer("base")
+            built = [w.numpy() for w in base.weights]
+            first = model.fit(x, y, epochs=2, validation_split=0.25,
+                              **fit).history
+            frozen = all(np.array_equal(a, w.numpy())
+                         for a, w in zip(built, base.weights))
+            base.trainable = True
+            model.compile(**compile_args(mod, 1e-3))
+            second = model.fit(x, y, epochs=2, validation_split=0.25,
+                               **fit).history
+            tuned = [w.numpy() for w in base.weights]
+            with tempfile.TemporaryDirectory() as folder:
+                path = os.path.join(folder, "tuned.keras")
+                model.save(path)
+                loaded = mod.saving.load_model(path)
+            third = loaded.fit(x, y, epochs=1, **fit).history
+            return {"loaded": loaded, "frozen": frozen,
+                    "trained": not np.allclose(tuned[0], built[0]),
+                    "tuned": tuned, "histories": [first, second, third],
+                    "evaluated": loaded.evaluate(x, y, verbose=0),
+                    "predicted": loaded.predict(x[:16], verbose=0)}
+
+        with runtime_support.float64():
+            runs = train_plain_and_ours(build, 5, train)
+        assert_own_step_under_strategy(self, runs)
+        plain, ours = runs["plain"][1], runs["ours"][1]
+        self.assertTrue(ours["frozen"])
+        self.assertTrue(ours["trained"])
+        loaded = ours["loaded"]
+        self.assertIsInstance(loaded, fk.Model)
+        runtime_support.assert_executor_of_its_strategy(self, loaded)
+        devices = {d for c in loaded.strategy.values() for d in c.device_ids}
+        self.assertGreater(len(devices), 1)
+        close = dict(rtol=1e-9, atol=1e-12)
+        for history, our_history in zip(plain["histories"],
+                                        ours["histories"]):
+            self.assertEqual(sorted(our_history), sorted(history))
+            for key, values in history.items():
+                np.testing.assert_allclose(our_history[key], values,
+                                           err_msg=key, **close)
+        for tuned, our_tuned in zip(plain["tuned"], ours["tuned"]):
+            np.testing.assert_allclose(our_tuned, tuned, **close)
+        np.testing.assert_allclose(ours["evaluated"], plain["evaluated"],
+                                   **close)
+        np.testing.assert_allclose(ours["predicted"], plain["predicted"],
+                                   **close)
+        for a, b in zip(plain["loaded"].get_weights(),
+                        loaded.get_weights()):
+            np.testing.assert_allclose(b, a, **close)
+
 
 if __name__ == "__main__":
     unittest.main()

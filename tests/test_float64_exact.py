@@ -15,7 +15,6 @@ float32, 5e-8 off for 0.001, and SGD's momentum not rounded through
 float32 as Keras's `ops.cast` rounds it.)
 """
 
-import contextlib
 import random
 import unittest
 import warnings
@@ -31,7 +30,7 @@ from flexflow_keras.planner import _one_mesh_reason
 
 import test_layer_support
 import test_own_step
-from runtime_support import assert_not_handed_over
+from runtime_support import assert_not_handed_over, float64
 
 FEATURES = {**test_own_step.FEATURES, **test_layer_support.FEATURES}
 # Their own code fixes float32: `tf.random.normal`'s default dtype in a
@@ -43,21 +42,6 @@ FAST = (
 )
 RTOL = 1e-11
 BATCH = 16
-
-
-@contextlib.contextmanager
-def float64():
-    """Keras's float type and its global dtype policy (which Keras
-    caches from the float type when a layer first reads it) in float64,
-    both put back after."""
-    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
-    keras.config.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
-    try:
-        yield
-    finally:
-        keras.config.set_floatx(floatx)
-        keras.config.set_dtype_policy(policy)
 
 
 def _as_float64(data):
