@@ -56,5 +56,7 @@ _namespace.mirror_with(
     lambda name, value: models.deserialize_layer
     if name == "deserialize" else value,
 )
+# A script's `tf.keras.Model` (Keras 3's `tf.keras` is Keras) is ours too.
+_namespace.route_tf_keras(globals())
 
 __version__ = "0.1.0"

@@ -109,3 +109,38 @@ def returning(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
         return wrapper
 
     return decorate
+
+
+# What `tf.keras` gets from us: the names whose plain Keras values would
+# build or load a model that trains unparallelized. `tf.keras.layers`
+# stays TensorFlow's flavour (it holds a few legacy names ours lacks;
+# its classes are Keras's own, as ours are); `tf.keras` has no `saving`.
+TF_KERAS_ROUTED = ("Model", "Sequential", "models", "applications", "utils")
+
+
+def route_tf_keras(namespace: dict[str, Any]) -> None:
+    """Points TensorFlow's `tf.keras` at our model classes and builders.
+
+    Why: with Keras 3 installed, `tf.keras` *is* Keras
+    (`keras._tf_keras.keras`), so a script whose imports were changed to
+    flexflow_keras still reached plain Keras through the attribute:
+    keras.io's masked language model subclasses `tf.keras.Model` and
+    trained as plain Keras on one device, and the only word of it was
+    the own-loop notice about a nested `Sequential` of ours. After
+    `import flexflow_keras`, `tf.keras.Model`, `tf.keras.Sequential`,
+    `tf.keras.models`, `tf.keras.applications` and `tf.keras.utils` are
+    ours. `import keras` still gives plain Keras, untouched. A `tf.keras`
+    that is another Keras (`TF_USE_LEGACY_KERAS` with `tf_keras`) is left
+    alone.
+    """
+    import keras
+    import tensorflow as tf
+
+    tf_keras = tf.keras
+    # Loads the lazy module; Keras 3's flavour holds Keras's own Model.
+    if getattr(tf_keras, "Model", None) is not keras.Model:
+        return
+    for name in TF_KERAS_ROUTED:
+        # Through the lazy loader when it is one: it sets the module's
+        # attribute and its own copy alike.
+        setattr(tf_keras, name, namespace[name])

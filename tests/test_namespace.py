@@ -210,5 +210,94 @@ class SaveLoadTest(unittest.TestCase):
         self.assertNotIsInstance(again, Model)
 
 
+class TfKerasTest(unittest.TestCase):
+    """With Keras 3, `tf.keras` is Keras: after `import flexflow_keras` its
+    model classes and builders are ours, and `import keras` stays plain."""
+
+    def test_model_classes_and_builders_are_ours(self):
+        import tensorflow as tf
+
+        self.assertIs(tf.keras.Model, Model)
+        self.assertIs(tf.keras.Sequential, Sequential)
+        self.assertIs(tf.keras.models.Model, Model)
+        self.assertIs(tf.keras.models.load_model,
+                      flexflow_keras.models.load_model)
+        self.assertIs(tf.keras.utils.deserialize_keras_object,
+                      flexflow_keras.utils.deserialize_keras_object)
+        model = tf.keras.applications.MobileNetV2(
+            input_shape=(32, 32, 3), weights=None, classes=3)
+        self.assertIsInstance(model, Model)
+        # What stays TensorFlow's flavour, and plain Keras, untouched.
+        self.assertIs(tf.keras.layers.Dense, keras.layers.Dense)
+        self.assertTrue(hasattr(tf.keras.layers, "ThresholdedReLU"))
+        self.assertIsNot(keras.Model, Model)
+        self.assertIsNot(keras.models, flexflow_keras.models)
+
+    def test_a_tf_keras_model_with_its_own_step_trains_under_a_strategy(self):
+        """keras.io's masked language model: a `tf.keras.Model` subclass
+        whose `train_step` takes (features, labels, sample weights) from a
+        dataset, calls itself under a tape, updates a loss tracker kept
+        outside the model; its feed-forward block a `Sequential`. It
+        trained as plain Keras, and the only word was the own-loop
+        notice about that `Sequential`."""
+        import tensorflow as tf
+
+        import runtime_support
+
+        rng = np.random.default_rng(3)
+        tokens = rng.integers(1, 40, size=(64, 12))
+        labels = rng.integers(0, 40, size=(64, 12))
+        weights = rng.uniform(size=(64, 12)).astype("float32")
+        data = tf.data.Dataset.from_tensor_slices(
+            (tokens, labels, weights)).batch(16)
+
+        def build(mod):
+            base = tf.keras.Model if mod is flexflow_keras else keras.Model
+            loss_fn = keras.losses.SparseCategoricalCrossentropy(
+                reduction=None)
+            tracker = keras.metrics.Mean(name="loss")
+
+            class MaskedLanguageModel(base):
+                def train_step(self, inputs):
+                    features, targets, sample_weight = inputs
+                    with tf.GradientTape() as tape:
+                        predictions = self(features, training=True)
+                        loss = loss_fn(targets, predictions,
+                                       sample_weight=sample_weight)
+                    variables = self.trainable_variables
+                    gradients = tape.gradient(loss, variables)
+                    self.optimizer.apply_gradients(zip(gradients, variables))
+                    tracker.update_state(loss, sample_weight=sample_weight)
+                    return {"loss": tracker.result()}
+
+                @property
+                def metrics(self):
+                    return [tracker]
+
+            inputs = mod.Input((12,), dtype="int64")
+            h = mod.layers.Embedding(40, 16)(inputs)
+            ffn = mod.Sequential([mod.layers.Dense(32, activation="relu"),
+                                  mod.layers.Dense(16)], name="ffn")
+            h = mod.layers.LayerNormalization()(h + mod.layers.Dropout(
+                0.1, seed=2)(ffn(h)))
+            model = MaskedLanguageModel(
+                inputs, mod.layers.Dense(40, activation="softmax")(h))
+            options = {"search_budget": 30} if mod is flexflow_keras else {}
+            model.compile(optimizer=keras.optimizers.Adam(1e-2), **options)
+            return model
+
+        runs = runtime_support.train_plain_and_ours(
+            build, 4, lambda model: model.fit(data, epochs=2,
+                                              verbose=0).history)
+        ours = runs["ours"][0]
+        self.assertIsInstance(ours, Model)
+        runtime_support.assert_own_step_under_strategy(self, runs)
+        self.assertEqual(
+            [m for m in runs["ours"][2] if "outside fit()" in m], [])
+        devices = {d for c in ours.strategy.values() for d in c.device_ids}
+        self.assertGreater(len(devices), 1)
+        runtime_support.assert_same_runs(self, runs)
+
+
 if __name__ == "__main__":
     unittest.main()
