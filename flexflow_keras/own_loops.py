@@ -108,6 +108,20 @@ def note_call(model: Any) -> None:
     if _depth or model in _SAID or not record.could_possibly_record():
         return
     _SAID.add(model)
+    outer = _plain_keras_trainer()
+    if outer is not None:
+        cls = type(outer)
+        notices.must_tell(
+            f"Model '{model.name}' is called in the training of "
+            f"'{outer.name}', and '{outer.name}' is a plain Keras model "
+            f"({cls.__module__}.{cls.__qualname__} derives from Keras's "
+            "Model, not flexflow_keras's): it trains as plain Keras on one "
+            "device, not under a searched strategy. Build it from "
+            "flexflow_keras's Model or Sequential (`keras.Model` after "
+            "`import flexflow_keras as keras`) to train under one.",
+            stacklevel=3,
+        )
+        return
     notices.must_tell(
         f"Model '{model.name}' is called under a tf.GradientTape outside "
         "fit(): a training loop of your own runs as plain Keras on one "
@@ -118,3 +132,29 @@ def note_call(model: Any) -> None:
         "happens in fit()').",
         stacklevel=3,
     )
+
+
+def _plain_keras_trainer() -> Any:
+    """The plain Keras model (not ours) whose fit, evaluate or
+    `*_on_batch` is running further up the stack, if any.
+
+    Why: its step calls our models under tapes, which looked like a loop
+    of the user's own, so the notice named the wrong cause (keras.io's
+    masked language model, whose class derived from `tf.keras.Model`
+    before `tf.keras` followed the import, named its inner
+    `Sequential`). Read only when a notice is given, once per model."""
+    import sys
+
+    import keras
+
+    from flexflow_keras.models import Model as OurModel
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name in ENTRY_POINTS:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, keras.Model) and not isinstance(
+                    owner, OurModel):
+                return owner
+        frame = frame.f_back
+    return None

@@ -71,6 +71,57 @@ class OwnLoopsTest(unittest.TestCase):
                 self.assertIn("train_step", said[0])
                 np.testing.assert_allclose(ours, plain, rtol=1e-6)
 
+    def test_our_model_in_a_plain_keras_models_step_names_that_model(self):
+        """A plain Keras model (one a script built from `import keras`, or
+        from another library) whose own step calls ours under a tape: the
+        notice names the outer model and its class as the cause, not a
+        loop of the user's own, and fit trains as plain Keras would."""
+
+        def build(mod):
+            inner = mlp(mod, "inner")
+
+            class Outer(keras.Model):
+                def __init__(self):
+                    super().__init__(name="outer")
+                    self.inner = inner
+
+                def call(self, x):
+                    return self.inner(x)
+
+                def train_step(self, data):
+                    x, y = data
+                    with tf.GradientTape() as tape:
+                        loss = tf.reduce_mean(
+                            tf.square(self(x, training=True) - y))
+                    grads = tape.gradient(loss, self.trainable_weights)
+                    self.optimizer.apply(grads, self.trainable_weights)
+                    return {"loss": loss}
+
+            outer = Outer()
+            outer.compile(optimizer="adam")
+            return outer
+
+        x, y = data()
+        losses = {}
+        for name, mod in (("plain", keras), ("ours", fk)):
+            keras.utils.set_random_seed(5)
+            outer = build(mod)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                losses[name] = outer.fit(x, y, batch_size=BATCH, epochs=2,
+                                         shuffle=False,
+                                         verbose=0).history["loss"]
+        said = loop_warnings(caught)
+        self.assertEqual(len(said), 0, said)
+        said = [str(w.message) for w in caught
+                if "plain Keras model" in str(w.message)]
+        self.assertEqual(len(said), 1, said)
+        self.assertIn("Model 'inner'", said[0])
+        self.assertIn("'outer' is a plain Keras model", said[0])
+        self.assertIn("Outer derives from Keras's Model", said[0])
+        np.testing.assert_allclose(losses["ours"], losses["plain"],
+                                   rtol=1e-6)
+
     def test_autograph_leaves_the_package_as_written(self):
         """A loop in a `tf.function` calls our model as it calls a Keras
         one, unconverted: before, AutoGraph converted our `__call__` and
