@@ -147,14 +147,16 @@ def _plain_keras_trainer() -> Any:
 
     import keras
 
-    from flexflow_keras.models import Model as OurModel
-
+    package = __name__.split(".")[0] + "."
     frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_name in ENTRY_POINTS:
             owner = frame.f_locals.get("self")
-            if isinstance(owner, keras.Model) and not isinstance(
-                    owner, OurModel):
+            # Ours: its class derives from one of this package (its
+            # models module imports this one, so no import of it here).
+            if isinstance(owner, keras.Model) and not any(
+                    c.__module__.startswith(package)
+                    for c in type(owner).__mro__):
                 return owner
         frame = frame.f_back
     return None
