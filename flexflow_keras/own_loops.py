@@ -33,6 +33,10 @@ from flexflow_keras import notices
 _depth = 0
 _lock = threading.Lock()
 
+# This package's name: AutoGraph leaves its code as written, and a model
+# whose class derives from one of its classes is ours.
+_PACKAGE = __name__.split(".")[0]
+
 # Models whose loop was said.
 _SAID: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
@@ -93,12 +97,11 @@ def keep_package_unconverted() -> None:
         from tensorflow.python.autograph.core import config
     except ImportError:
         return
-    package = __name__.split(".")[0]
     if any(isinstance(rule, config.DoNotConvert)
-           and rule.matches(package) for rule in config.CONVERSION_RULES):
+           and rule.matches(_PACKAGE) for rule in config.CONVERSION_RULES):
         return
     config.CONVERSION_RULES = (
-        tuple(config.CONVERSION_RULES) + (config.DoNotConvert(package),)
+        tuple(config.CONVERSION_RULES) + (config.DoNotConvert(_PACKAGE),)
     )
 
 
@@ -147,7 +150,6 @@ def _plain_keras_trainer() -> Any:
 
     import keras
 
-    package = __name__.split(".")[0] + "."
     frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_name in ENTRY_POINTS:
@@ -155,7 +157,7 @@ def _plain_keras_trainer() -> Any:
             # Ours: its class derives from one of this package (its
             # models module imports this one, so no import of it here).
             if isinstance(owner, keras.Model) and not any(
-                    c.__module__.startswith(package)
+                    c.__module__.startswith(_PACKAGE + ".")
                     for c in type(owner).__mro__):
                 return owner
         frame = frame.f_back
