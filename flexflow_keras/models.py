@@ -74,6 +74,34 @@ class _PlanningModel(StrategyTrainer):
                 with user_random.kept():
                     self._ensure_plan(int(batch_size))
 
+    def quantize(self, mode: Any = None, *args: Any, **kwargs: Any) -> None:
+        """`keras.Model.quantize`, then the model planned again.
+
+        Why: quantizing swaps layers' variables (an int8 kernel and its
+        scale for the float kernel) and the calls that read them, while
+        the plan, its graph and the step's DTensor variables were made
+        for the old ones: the next predict failed on them. The trained
+        values go back into Keras's variables first (quantizing reads
+        them); then the model is planned again for the batch size it
+        ran under, so that predict, evaluate and fit (QLoRA's) keep
+        running under a strategy, one that prices the quantized layers.
+        """
+        from flexflow_keras import runtime
+
+        state = state_of(self)
+        running = next((batch for batch, plan in state.plans.items()
+                        if plan is state.plan), None)
+        with own_loops.entered():
+            runtime.detach_strategy(self)
+            state.plan = None
+            try:
+                super().quantize(mode, *args, **kwargs)
+            finally:
+                state.plans = {}
+                if running is not None and state.settings is not None:
+                    with user_random.kept():
+                        self._ensure_plan(running)
+
     def compile_from_config(self, config: dict) -> None:
         """Recompiles a loaded model (Keras skips overridden compile())."""
         config = serialization_lib.deserialize_keras_object(config)

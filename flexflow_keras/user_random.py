@@ -82,10 +82,15 @@ def _writes_undone() -> Iterator[None]:
         if id(variable) not in before:
             try:
                 with tf.init_scope():  # a trace's write: read eagerly
-                    before[id(variable)] = (variable,
-                                            np.array(variable.numpy()))
+                    value_before = np.array(variable.numpy())
             except Exception:  # noqa: BLE001 - not initialized yet
-                pass
+                value_before = None
+            # One made in a trace reads as an empty array (an int4
+            # Embedding's `g_idx`, made and assigned as a clone of it
+            # was measured): nothing to put back.
+            if (value_before is not None
+                    and value_before.shape == tuple(variable.shape)):
+                before[id(variable)] = (variable, value_before)
         return assign(variable, value)
 
     KerasVariable.assign = noted

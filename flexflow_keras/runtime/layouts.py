@@ -156,6 +156,19 @@ class OpPlan:
                 specs[dim] = axis
         return dtensor.Layout(specs, self.mesh)
 
+    def shard_axis_of(self, variable: Any) -> int | None:
+        """The axis of `variable`, one of the op's layer's, that the op's
+        parameter split shards (`WeightInfo.shard_axis`); None:
+        replicated. Matched by path and shape, not by place in the
+        layer's list: quantizing or LoRA adds and reorders a layer's
+        variables, and matched by place a kernel's scale (1-D) was given
+        the kernel's axis 1."""
+        path, shape = getattr(variable, "path", None), tuple(variable.shape)
+        for info in self.op.weights:
+            if info.path == path and info.shape == shape:
+                return info.shard_axis
+        return None
+
     def weight_layout(self, shape: tuple[int, ...], shard_axis: int | None):
         """Parameter split shards the weight; otherwise replicated."""
         specs = [UNSHARDED] * len(shape)

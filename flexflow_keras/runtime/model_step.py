@@ -234,16 +234,9 @@ class ModelStepExecutor:
         """
         layouts: dict[int, Any] = {}
         for plan in self.plans:
-            infos = dict(zip(
-                (id(v) for v in getattr(plan.op.layer, "weights", ())),
-                plan.op.weights,
-            ))
             for var in getattr(plan.op.layer, "variables", ()):
-                info = infos.get(id(var))
                 layouts.setdefault(id(var), plan.weight_layout(
-                    tuple(var.shape),
-                    None if info is None else info.shard_axis,
-                ))
+                    tuple(var.shape), plan.shard_axis_of(var)))
         for optimizer in _optimizers(self.model):
             layouts.update(_slot_layouts(optimizer, layouts))
         seen = {id(k) for k, _, _ in self._pairs}

@@ -152,17 +152,12 @@ class _Recorder:
 
     def _weights(self, plan: Any) -> list:
         """The layer's variables, read as the layer reads them here."""
-        layer = plan.op.layer
-        infos = dict(zip((id(v) for v in getattr(layer, "weights", ())),
-                         plan.op.weights))
         found = []
-        for var in getattr(layer, "variables", ()):
-            info = infos.get(id(var))
+        for var in getattr(plan.op.layer, "variables", ()):
             stored = getattr(var, "_value", None)
             value = (tf.identity(var.value)
                      if isinstance(stored, dtensor.DVariable) else None)
-            found.append((var, None if info is None else info.shard_axis,
-                          value))
+            found.append((var, plan.shard_axis_of(var), value))
         return found
 
     def _add(self, plan: Any, leaves: list, weights: list,

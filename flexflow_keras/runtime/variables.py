@@ -368,19 +368,12 @@ class VariableStore:
         self._layouts: dict[int, Any] = {}
         self.mesh_of: dict[int, Any] = {}
         for plan in plans:
-            layer = plan.op.layer
-            infos = {}
-            for var, info in zip(getattr(layer, "weights", ()), plan.op.weights):
-                infos[id(var)] = info
-            trainable, non_trainable = layer_variables(layer)
+            trainable, non_trainable = layer_variables(plan.op.layer)
             for var in trainable + non_trainable:
                 if id(var) in self._dvars:
                     continue
-                info = infos.get(id(var))
-                shape = tuple(var.shape)
-                layout = plan.weight_layout(
-                    shape, info.shard_axis if info is not None else None
-                )
+                layout = plan.weight_layout(tuple(var.shape),
+                                            plan.shard_axis_of(var))
                 self._keras[id(var)] = var
                 self._layouts[id(var)] = layout
                 self.mesh_of[id(var)] = plan.mesh
