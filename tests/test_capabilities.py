@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import textwrap
 import unittest
 import warnings
 from unittest import mock
@@ -354,6 +355,42 @@ class ProbeCacheTest(unittest.TestCase):
                                side_effect=AssertionError("probed")):
             again = probe.probe_graph(self.graph, self.devices, self.path)
         self.assertEqual(again.op("rev").partitionable, {})
+
+    def test_an_edited_layer_is_probed_again(self):
+        """A user told that DTensor cannot run their layer rewrites its
+        call and runs the script again: the layer, same class name and
+        config, is probed again, not refused from the cache (the old
+        error, naming a line no longer there). Unedited, it is read from
+        the cache, as before."""
+        source = textwrap.dedent("""
+            import tensorflow as tf
+            import keras
+
+            class Edited(keras.layers.Layer):
+                def call(self, x):
+                    return CALL
+        """)
+        refused = "tf.ensure_shape(tf.numpy_function(lambda a: a * 2, " \
+            "[x], tf.float32, stateful=False), x.shape) + x"
+
+        def graph_of(call):
+            scope = {"__name__": "user_script"}
+            exec(source.replace("CALL", call), scope)
+            x = keras.Input((6, 4))
+            return build_graph(keras.Model(
+                x, scope["Edited"](name="edited")(x)), 8)
+
+        with self.assertRaisesRegex(capabilities.Unsupported, "edited"):
+            probe.probe_graph(graph_of(refused), self.devices, self.path)
+        with mock.patch.object(probe, "probe_op",
+                               side_effect=AssertionError("probed")):
+            with self.assertRaisesRegex(capabilities.Unsupported,
+                                        "edited"):
+                probe.probe_graph(graph_of(refused), self.devices,
+                                  self.path)
+        edited = probe.probe_graph(graph_of("x * 2.0 + 1.0"),
+                                   self.devices, self.path)
+        self.assertNotEqual(edited.op("edited").partitionable, {})
 
     def test_unreadable_cache_is_probed_again(self):
         os.makedirs(os.path.dirname(self.path))

@@ -39,8 +39,9 @@ before running instead; a crash of an op type not yet known is not
 caught.
 
 Results are cached on disk (`~/.cache/flexflow_keras/capabilities.json`)
-by layer class, config, input shapes and dtypes, TensorFlow version and
-the probe's version: a layer type is probed once per machine.
+by layer class and the digest of its code, config, input shapes and
+dtypes, TensorFlow version and the probe's version: a layer type is
+probed once per machine, and again once its code is edited.
 """
 
 import contextlib
@@ -55,7 +56,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from flexflow_keras import capabilities, disk_cache
+from flexflow_keras import capabilities, code_digest, disk_cache
 from flexflow_keras.capabilities import Probed
 from flexflow_keras.graph import Op, OpGraph
 from flexflow_keras.keras_graph import fill_arguments
@@ -136,8 +137,9 @@ def needs_probe(op: Op) -> bool:
 
 
 def probe_key(op: Op, graph: OpGraph) -> str:
-    """Cache key: layer class, config, non-batch input shapes and dtypes,
-    TensorFlow version, the probe's version."""
+    """Cache key: layer class and the digest of its code
+    (`code_digest`: an edited class is probed again), config, non-batch
+    input shapes and dtypes, TensorFlow version, the probe's version."""
     cls = type(op.layer)
     try:
         config = json.dumps(op.layer.get_config(), sort_keys=True,
@@ -146,6 +148,7 @@ def probe_key(op: Op, graph: OpGraph) -> str:
         config = ""
     parts = [
         f"{cls.__module__}.{cls.__qualname__}",
+        code_digest.class_digest(cls),
         hashlib.sha1(config.encode()).hexdigest()[:16],
         ";".join(
             f"{graph.tensors[t].shape[1:]}{graph.tensors[t].dtype}"
