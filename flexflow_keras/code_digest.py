@@ -12,6 +12,7 @@ from a closure or a global that is not code (a flag), which keep the
 key as it was.
 """
 
+import functools
 import hashlib
 import inspect
 import types
@@ -23,10 +24,15 @@ _LIBRARIES = ("keras", "tensorflow", "tf_keras", "flexflow_keras",
               "numpy", "builtins", "abc", "typing")
 
 
-def class_digest(cls: type) -> str:
-    """16 hex digits naming the code of `cls` (module docstring)."""
+@functools.lru_cache(maxsize=1024)
+def class_digest(cls: type) -> str | None:
+    """16 hex digits naming the code of `cls` (module docstring); None
+    for a class whose code is all the libraries' (a Keras layer), so
+    that keys of those stay as they were. Kept per class object: an
+    edited class, defined again, is another object."""
     digest = hashlib.sha1()
-    _add_class(digest, cls, set())
+    if not _add_class(digest, cls, set()):
+        return None
     return digest.hexdigest()[:16]
 
 
@@ -35,17 +41,22 @@ def _from_library(obj: Any) -> bool:
     return module.split(".")[0] in _LIBRARIES
 
 
-def _add_class(digest: Any, cls: type, seen: set[int]) -> None:
+def _add_class(digest: Any, cls: type, seen: set[int]) -> bool:
+    """Adds the code of `cls` and its bases outside the libraries;
+    whether there was any."""
+    added = False
     for klass in cls.__mro__:
         if id(klass) in seen or _from_library(klass):
             continue
         seen.add(id(klass))
+        added = True
         digest.update(klass.__qualname__.encode())
         for name, value in sorted(vars(klass).items()):
             function = _function_of(value)
             if function is not None:
                 digest.update(name.encode())
                 _add_function(digest, function, seen)
+    return added
 
 
 def _function_of(value: Any) -> Any:

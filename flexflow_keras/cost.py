@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from flexflow_keras import disk_cache, op_specs, partition
+from flexflow_keras import code_digest, disk_cache, op_specs, partition
 from flexflow_keras.graph import Op
 from flexflow_keras.machine import DeviceSpec, MachineModel
 from flexflow_keras.strategy import ParallelConfig
@@ -426,7 +426,10 @@ def cache_key(op: Op, config: ParallelConfig, device_kind: str) -> str:
 
 
 def _signature(op: Op, degree: int) -> Any:
-    """The layer config without its name, channels divided by `degree`."""
+    """The layer config without its name, channels divided by `degree`,
+    and the digest of the code of a class of the user's (a layer of the
+    same name and config in another script, or edited, runs other
+    code)."""
     get_config = getattr(op.layer, "get_config", None)
     if get_config is None:
         return None
@@ -435,6 +438,9 @@ def _signature(op: Op, degree: int) -> Any:
     except (NotImplementedError, TypeError):
         return None
     config.pop("name", None)
+    code = code_digest.class_digest(type(op.layer))
+    if code is not None:
+        config["code digest"] = code
     for key in _CHANNEL_KEYS:
         if key in config and degree > 1:
             config[key] = config[key] // degree

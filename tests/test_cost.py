@@ -89,6 +89,30 @@ class MeasuredTest(unittest.TestCase):
         self.assertIn("[[64, 256]], [64, 256], \"float32\", \"V100\"", key)
         self.assertIn('"units": 256', key)  # the shard's clone
 
+    def test_key_of_a_users_layer_names_its_code(self):
+        """Two scripts' layers of one class name and config, or one
+        layer edited, run other code: their costs are kept apart. A
+        Keras layer's key has no code digest (keys made before stay)."""
+        import keras
+
+        from test_code_digest import LAYER
+
+        def key_of(source):
+            scope = {"__name__": "user_script"}
+            exec(source, scope)
+            x = keras.Input((8,))
+            graph = build_graph(keras.Model(
+                x, scope["Edited"](name="e")(x)), 16)
+            return cache_key(graph.op("e"), ParallelConfig((1, 1), (0,)),
+                             "CPU")
+
+        self.assertEqual(key_of(LAYER), key_of(LAYER))
+        self.assertNotEqual(
+            key_of(LAYER.replace("return x * 2.0", "return x * 4.0")),
+            key_of(LAYER))
+        self.assertNotIn("code digest", cache_key(
+            dense_op(), ParallelConfig((1, 1), (0,)), "CPU"))
+
     def test_unmeasurable_op_falls_back_to_roofline(self):
         import dataclasses
 

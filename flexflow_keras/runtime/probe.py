@@ -148,7 +148,7 @@ def probe_key(op: Op, graph: OpGraph) -> str:
         config = ""
     parts = [
         f"{cls.__module__}.{cls.__qualname__}",
-        code_digest.class_digest(cls),
+        str(code_digest.class_digest(cls)),
         hashlib.sha1(config.encode()).hexdigest()[:16],
         ";".join(
             f"{graph.tensors[t].shape[1:]}{graph.tensors[t].dtype}"
