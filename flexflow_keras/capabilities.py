@@ -235,6 +235,12 @@ BINARY_OPS = (
 # Weightless shape and dtype ops that run on the host with the lookups
 # they feed (`keras_graph.hosted_nodes`): `StringLookup()(ops.expand_dims(
 # raw))` as keras.io's wide-and-deep script writes it.
+_UNLAID_AUGMENTATION = (
+    "TensorFlow's DTensor cannot lay out its ops (a slice or reshape of "
+    "a tensor whose size is known only at run time), even replicated; "
+    "augment in the tf.data pipeline"
+)
+
 HOST_FEEDERS = frozenset({
     "ExpandDims", "Squeeze", "Reshape", "Cast", "Identity",
     "ConvertToTensor", "Flatten",
@@ -338,6 +344,13 @@ def _table() -> dict[str, Capability]:
         "TextVectorization": on_host(crash_reason(["LookupTableFindV2"])),
         # SparseCross has no rule, and even with its switch on
         # SparseToDense has no layout for its result.
+        # Random augmentations whose TensorFlow code DTensor cannot lay
+        # out even replicated (measured, TF 2.21): a StridedSlice of a
+        # tensor of unknown length (Equalization's, inside both), a
+        # Reshape to a shape known only at run time, a Gamma draw.
+        "RandAugment": on_host(_UNLAID_AUGMENTATION),
+        "AugMix": on_host(_UNLAID_AUGMENTATION),
+        "RandomElasticTransform": on_host(_UNLAID_AUGMENTATION),
         "HashedCrossing": on_host(
             "its SparseCross / SparseToDense have no DTensor layout even "
             "replicated; cross the features in the tf.data pipeline"

@@ -98,31 +98,28 @@ def hosted_nodes(function: Any) -> list:
     more input (`runtime/host_prefix.py`).
 
     A call qualifies when its layer type may run on the host
-    (`capabilities.Capability.host`), each input is a model input,
-    another such call's result, or one of those reshaped or cast
-    (`capabilities.HOST_FEEDERS`, which then run on the host too), and
-    no result is a model output. Other calls of such types keep their
-    `error`: the model trains as plain Keras, saying why.
+    (`capabilities.Capability.host`: lookups, and random augmentations
+    DTensor cannot lay out), each input is a model input, another such
+    call's result, or one of those passed through layers that can run
+    on the host too (`_host_feeder`: reshapes, casts, Keras's weightless
+    preprocessing layers, which then run on the host), and no result is
+    a model output. A nested model of such layers alone, with one that
+    must run on the host (a `Sequential` named "data_augmentation"), is
+    one such call. Other calls of such types keep their `error`: the
+    model trains as plain Keras, saying why.
     """
-    from flexflow_keras import capabilities
-
     nodes = _nodes_in_order(function)
     outputs = {id(kt) for kt in function.outputs}
     ready = {id(kt) for kt in function.inputs}
     lookups, feeders = set(), set()
     for node in nodes:
         operation = node.operation
-        if (_as_function(operation) is not None
-                or any(id(kt) not in ready
-                       for kt in node.arguments.keras_tensors)
+        if (any(id(kt) not in ready for kt in node.arguments.keras_tensors)
                 or any(id(kt) in outputs for kt in node.outputs)):
             continue
-        capability = capabilities.listed(operation)
-        if capability is not None and capability.host:
+        if _must_run_on_host(operation):
             lookups.add(id(node))
-        elif (type(operation).__module__.startswith("keras.")
-                and type(operation).__name__ in capabilities.HOST_FEEDERS
-                and not getattr(operation, "weights", ())):
+        elif _host_feeder(operation):
             feeders.add(id(node))
         else:
             continue
@@ -137,6 +134,37 @@ def hosted_nodes(function: Any) -> list:
             hosted.add(id(node))
             needed.update(id(kt) for kt in node.arguments.keras_tensors)
     return [node for node in nodes if id(node) in hosted]
+
+
+def _must_run_on_host(operation: Any) -> bool:
+    """A layer DTensor cannot run that may run on the host instead, or a
+    nested model of host feeders with one such layer."""
+    from flexflow_keras import capabilities
+
+    inner = _as_function(operation)
+    if inner is None:
+        capability = capabilities.listed(operation)
+        return capability is not None and capability.host
+    layers = [node.operation for node in _nodes_in_order(inner)]
+    return (any(_must_run_on_host(layer) for layer in layers)
+            and all(_must_run_on_host(layer) or _host_feeder(layer)
+                    for layer in layers))
+
+
+def _host_feeder(operation: Any) -> bool:
+    """A Keras layer without weights that may run on the host before a
+    layer that must (`capabilities.HOST_FEEDERS`, or one of Keras's
+    preprocessing layers, which Keras runs in tf.data pipelines too:
+    `DataLayer`). It computes there what it computes in the step."""
+    from keras.src.layers.preprocessing.data_layer import DataLayer
+
+    from flexflow_keras import capabilities
+
+    if (getattr(operation, "weights", ())
+            or not type(operation).__module__.startswith("keras.")):
+        return False
+    return (isinstance(operation, DataLayer)
+            or type(operation).__name__ in capabilities.HOST_FEEDERS)
 
 
 def _nodes_in_order(function: Any) -> list:

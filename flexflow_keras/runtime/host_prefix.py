@@ -79,25 +79,31 @@ class HostPrefix:
             name=f"{model.name}_host_prefix",
         )
         self._compiled = None
+        self._training = False  # while a step is traced
         self._origins: dict[str, tuple] = {}  # while a step is traced
         self._results: tuple = ()
 
-    def compute(self, data: Any) -> tuple:
+    def compute(self, data: Any, training: bool) -> tuple:
         """The hosted results for one batch (`data` as the step gets it:
         `x`, `(x,)`, `(x, y)` or `(x, y, sample_weight)`), flat, in call
-        order, computed on the host's CPU."""
+        order, computed on the host's CPU; `training` as the step's
+        (an augmentation acts in train steps only)."""
         if self._compiled is None:
-            self._compiled = tf.function(
-                lambda x: self._model(x, training=False),
-                autograph=False, reduce_retracing=True,
-            )
+            self._compiled = {
+                flag: tf.function(
+                    lambda x, flag=flag: self._model(x, training=flag),
+                    autograph=False, reduce_retracing=True)
+                for flag in (False, True)
+            }
         x, _, _ = unpack_x_y_sample_weight(data)
         with tf.device("/CPU:0"):
-            return tuple(tree.flatten(self._compiled(x)))
+            return tuple(tree.flatten(self._compiled[training](x)))
 
-    def begin(self, data: Any, results: tuple) -> None:
+    def begin(self, data: Any, results: tuple, training: bool) -> None:
         """While a step is traced: the traced batch and the traced
-        hosted results (the step's arguments) that calls resolve to."""
+        hosted results (the step's arguments) that calls resolve to,
+        computed with `training` (`compute`)."""
+        self._training = training
         x, _, _ = unpack_x_y_sample_weight(data)
         flat = self._function._standardize_inputs(x)
         self._origins = {
@@ -122,8 +128,23 @@ class HostPrefix:
         the same inputs, packed as the layer returns it.
 
         Raises:
-            CalledElsewhere: no hosted call of this layer read them.
+            CalledElsewhere: no hosted call of this layer read them, or
+                the step calls it with another `training` than the host
+                computed it with (an augmentation called with
+                `training=False` in a train step would get augmented
+                images).
         """
+        training = kwargs.get("training")
+        if isinstance(training, bool) and training != self._training:
+            raise CalledElsewhere(
+                f"Layer '{operation.name}' ({type(operation).__name__}) "
+                "runs on the host before each step (TensorFlow's DTensor "
+                f"cannot run it), with training={self._training} in this "
+                f"kind of step, but the model's step calls it with "
+                f"training={training}. Call the model with the default "
+                "`training` of the step, or apply this layer in the "
+                "tf.data pipeline."
+            )
         reads = tuple(
             self._origins.get(_key(_origin(value)))
             for value in tree.flatten((args, kwargs)) if tf.is_tensor(value)

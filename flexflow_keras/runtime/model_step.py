@@ -584,7 +584,7 @@ class ModelStepExecutor:
                 self._sharded = batch == self.graph.batch_size
                 if self._host is not None:  # (batch, hosted results)
                     data, hosted = data
-                    self._host.begin(data, hosted)
+                    self._host.begin(data, hosted, kind == "train")
                     self._hosting = True
                 # `realized.record` traces the step once more, through
                 # here, to read the layouts DTensor gives each op.
@@ -635,7 +635,7 @@ class ModelStepExecutor:
         """`mesh_key`, for `realized.record` (which this module imports)."""
         return mesh_key(kind, batch)
 
-    def _on_mesh(self, data: Any) -> "_MeshBatch":
+    def _on_mesh(self, data: Any, kind: str) -> "_MeshBatch":
         """Each tensor of a batch onto the mesh: replicated (one local
         copy per device) in one process; in DTensor's multi-client mode,
         a tensor of the strategy's batch is split on its batch dim over
@@ -652,7 +652,7 @@ class ModelStepExecutor:
         exists")."""
         size = _batch_of(data)
         if self._host is not None:
-            data = (data, self._host.compute(data))
+            data = (data, self._host.compute(data, kind == "train"))
         shapes = []
 
         def copy(value):
@@ -682,7 +682,7 @@ class ModelStepExecutor:
         self._last_key = None
         if kind != "predict":
             self._build(data, kind)  # once
-        batch = self._on_mesh(data)  # once: copies, host lookups
+        batch = self._on_mesh(data, kind)  # once: copies, host calls
         key = self._last_key = self._signatures.key_for(
             mesh_key(kind, batch), self._functions,
             static=self._static_batch or self.loops.recurrent)

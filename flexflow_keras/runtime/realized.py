@@ -212,7 +212,7 @@ def recording(executor: Any, skip: Callable[[], bool]) -> Iterator[Any]:
 def record(executor: Any, data: Any) -> list[Realized]:
     """The layouts of every op's tensors in `executor`'s train step on
     the batch `data` (as `fit` gives it); training state unchanged."""
-    batch = executor._on_mesh(data)
+    batch = executor._on_mesh(data, "train")
     recorder = _Recorder(executor)
     functions = dict(executor._functions)
     # Requested until the step has run: a first run DTensor refuses for a
