@@ -232,15 +232,16 @@ BINARY_OPS = (
     "Minimum",
 )
 
-# Weightless shape and dtype ops that run on the host with the lookups
-# they feed (`keras_graph.hosted_nodes`): `StringLookup()(ops.expand_dims(
-# raw))` as keras.io's wide-and-deep script writes it.
 _UNLAID_AUGMENTATION = (
     "TensorFlow's DTensor cannot lay out its ops (a slice or reshape of "
     "a tensor whose size is known only at run time), even replicated; "
     "augment in the tf.data pipeline"
 )
 
+# Weightless shape and dtype ops that run on the host with the lookups
+# they feed (`keras_graph.hosted_nodes`): `StringLookup()(ops.expand_dims(
+# raw))` as keras.io's wide-and-deep script writes it. (Keras's weightless
+# preprocessing layers may feed them too: `keras_graph._host_feeder`.)
 HOST_FEEDERS = frozenset({
     "ExpandDims", "Squeeze", "Reshape", "Cast", "Identity",
     "ConvertToTensor", "Flatten",
@@ -342,8 +343,6 @@ def _table() -> dict[str, Capability]:
         "StringLookup": on_host(crash_reason(["LookupTableFindV2"])),
         "IntegerLookup": on_host(crash_reason(["LookupTableFindV2"])),
         "TextVectorization": on_host(crash_reason(["LookupTableFindV2"])),
-        # SparseCross has no rule, and even with its switch on
-        # SparseToDense has no layout for its result.
         # Random augmentations whose TensorFlow code DTensor cannot lay
         # out even replicated (measured, TF 2.21): a StridedSlice of a
         # tensor of unknown length (Equalization's, inside both), a
@@ -351,6 +350,8 @@ def _table() -> dict[str, Capability]:
         "RandAugment": on_host(_UNLAID_AUGMENTATION),
         "AugMix": on_host(_UNLAID_AUGMENTATION),
         "RandomElasticTransform": on_host(_UNLAID_AUGMENTATION),
+        # SparseCross has no rule, and even with its switch on
+        # SparseToDense has no layout for its result.
         "HashedCrossing": on_host(
             "its SparseCross / SparseToDense have no DTensor layout even "
             "replicated; cross the features in the tf.data pipeline"

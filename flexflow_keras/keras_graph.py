@@ -104,7 +104,7 @@ def hosted_nodes(function: Any) -> list:
     on the host too (`_host_feeder`: reshapes, casts, Keras's weightless
     preprocessing layers, which then run on the host), and no result is
     a model output. A nested model of such layers alone, with one that
-    must run on the host (a `Sequential` named "data_augmentation"), is
+    must run on the host (keras.io's `data_augmentation` Sequential), is
     one such call. Other calls of such types keep their `error`: the
     model trains as plain Keras, saying why.
     """

@@ -13,6 +13,8 @@ epoch after epoch.
 """
 
 import contextlib
+import io
+import os
 import unittest
 from unittest import mock
 
@@ -24,7 +26,7 @@ from keras.src.layers.preprocessing.image_preprocessing import aug_mix
 from flexflow_keras.keras_graph import function_of, hosted_nodes
 from runtime_support import (
     assert_own_step_under_strategy, assert_same_fit_evaluate_predict,
-    train_plain_and_ours,
+    assert_same_runs, train_plain_and_ours,
 )
 
 L = keras.layers
@@ -104,6 +106,25 @@ class HostedAugmentationTest(unittest.TestCase):
                            for d in c.device_ids}
                 self.assertGreater(len(devices), 1)
                 assert_same_fit_evaluate_predict(self, runs)
+
+    def test_the_layout_table_leaves_the_draws_as_they_were(self):
+        """`FLEXFLOW_KERAS_SHOW_LAYOUTS` runs the train step once more to
+        read its layouts, its writes undone; the host's augmentation
+        drew for it too, and its seed state is put back as well (else
+        every later step augmented other images than plain Keras)."""
+        x, y = _images()
+        with mock.patch.dict(os.environ,
+                             {"FLEXFLOW_KERAS_SHOW_LAYOUTS": "1"}), \
+                contextlib.redirect_stdout(io.StringIO()) as shown:
+            runs = train_plain_and_ours(
+                lambda mod: build(mod, AUGMENTATIONS[
+                    "RandAugment on the input"]),
+                3, lambda model: model.fit(
+                    x, y, batch_size=16, epochs=2, shuffle=False,
+                    verbose=0).history)
+        self.assertIn("layouts in the train step", shown.getvalue())
+        assert_own_step_under_strategy(self, runs)
+        assert_same_runs(self, runs)
 
     def test_a_step_calling_it_with_another_training_trains_as_keras(self):
         """A `train_step` that calls the model with `training=False`

@@ -83,6 +83,11 @@ class HostPrefix:
         self._origins: dict[str, tuple] = {}  # while a step is traced
         self._results: tuple = ()
 
+    @property
+    def variables(self) -> list:
+        """The hosted calls' variables (an augmentation's seed state)."""
+        return list(self._model.variables)
+
     def compute(self, data: Any, training: bool) -> tuple:
         """The hosted results for one batch (`data` as the step gets it:
         `x`, `(x,)`, `(x, y)` or `(x, y, sample_weight)`), flat, in call

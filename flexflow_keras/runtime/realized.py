@@ -212,7 +212,14 @@ def recording(executor: Any, skip: Callable[[], bool]) -> Iterator[Any]:
 def record(executor: Any, data: Any) -> list[Realized]:
     """The layouts of every op's tensors in `executor`'s train step on
     the batch `data` (as `fit` gives it); training state unchanged."""
+    # The host's calls draw as a train step's would (an augmentation's
+    # seed state advances): put back, as the step's writes are.
+    host = getattr(executor, "_host", None)
+    drawn = list(host.variables) if host is not None else []
+    saved = [v.numpy() for v in drawn]
     batch = executor._on_mesh(data, "train")
+    for variable, value in zip(drawn, saved):
+        variable.assign(value)
     recorder = _Recorder(executor)
     functions = dict(executor._functions)
     # Requested until the step has run: a first run DTensor refuses for a
