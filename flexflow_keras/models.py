@@ -89,8 +89,8 @@ class _PlanningModel(StrategyTrainer):
         from flexflow_keras import runtime
 
         state = state_of(self)
-        running = next((batch for batch, plan in state.plans.items()
-                        if plan is state.plan), None)
+        running = (None if state.plan is None
+                   else state.plan.graph.batch_size)
         with own_loops.entered():
             runtime.detach_strategy(self)
             state.plan = None

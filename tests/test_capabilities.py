@@ -373,12 +373,12 @@ class ProbeCacheTest(unittest.TestCase):
         refused = "tf.ensure_shape(tf.numpy_function(lambda a: a * 2, " \
             "[x], tf.float32, stateful=False), x.shape) + x"
 
+        from test_code_digest import defined_in_a_script
+
         def graph_of(call):
-            scope = {"__name__": "user_script"}
-            exec(source.replace("CALL", call), scope)
+            edited = defined_in_a_script(source.replace("CALL", call))
             x = keras.Input((6, 4))
-            return build_graph(keras.Model(
-                x, scope["Edited"](name="edited")(x)), 8)
+            return build_graph(keras.Model(x, edited(name="edited")(x)), 8)
 
         with self.assertRaisesRegex(capabilities.Unsupported, "edited"):
             probe.probe_graph(graph_of(refused), self.devices, self.path)

@@ -26,12 +26,17 @@ LAYER = textwrap.dedent('''
 ''')
 
 
-def digest_of(source):
-    """The digest of `Edited` defined by `source` in a module of its own
-    named like a user's script."""
+def defined_in_a_script(source, name="Edited"):
+    """The class `name` that `source` defines, run as a module of its own
+    named like a user's script (as an edited script defines it again)."""
     scope = {"__name__": "user_script"}
     exec(compile(source, "user_script.py", "exec"), scope)
-    return code_digest.class_digest(scope["Edited"])
+    return scope[name]
+
+
+def digest_of(source):
+    """The digest of `Edited` defined by `source` in a user's script."""
+    return code_digest.class_digest(defined_in_a_script(source))
 
 
 class ClassDigestTest(unittest.TestCase):

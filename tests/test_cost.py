@@ -95,14 +95,12 @@ class MeasuredTest(unittest.TestCase):
         Keras layer's key has no code digest (keys made before stay)."""
         import keras
 
-        from test_code_digest import LAYER
+        from test_code_digest import LAYER, defined_in_a_script
 
         def key_of(source):
-            scope = {"__name__": "user_script"}
-            exec(source, scope)
             x = keras.Input((8,))
             graph = build_graph(keras.Model(
-                x, scope["Edited"](name="e")(x)), 16)
+                x, defined_in_a_script(source)(name="e")(x)), 16)
             return cache_key(graph.op("e"), ParallelConfig((1, 1), (0,)),
                              "CPU")
 

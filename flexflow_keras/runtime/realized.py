@@ -214,8 +214,8 @@ def record(executor: Any, data: Any) -> list[Realized]:
     the batch `data` (as `fit` gives it); training state unchanged."""
     # The host's calls draw as a train step's would (an augmentation's
     # seed state advances): put back, as the step's writes are.
-    host = getattr(executor, "_host", None)
-    drawn = list(host.variables) if host is not None else []
+    host = executor._host
+    drawn = host.variables if host is not None else []
     saved = [v.numpy() for v in drawn]
     batch = executor._on_mesh(data, "train")
     for variable, value in zip(drawn, saved):
