@@ -127,7 +127,8 @@ class _PlanningModel(StrategyTrainer):
         with own_loops.entered():
             state = state_of(self)
             if state.settings is not None:
-                found, x = _peek_batch(x, batch_size)
+                found, x = _peek_batch(x, batch_size,
+                                       lengths=needs_trace(self))
                 if found is not None:
                     self._plan_for(found)
                 elif state.plan is None:
@@ -429,7 +430,7 @@ class _Peeked:
 
 
 def _peek_batch(
-    x: Any, batch_size: int | None
+    x: Any, batch_size: int | None, lengths: bool = False
 ) -> tuple[_Peeked | None, Any]:
     """The global batch fit() will use, without losing any data.
 
@@ -437,11 +438,13 @@ def _peek_batch(
     models) and `x`, rebuilt when peeking consumed a generator's element;
     None for the first when a dataset's batch size can be had only by
     reading it and reading it would change what it yields later (see
-    `_dataset_batch`).
+    `_dataset_batch`). `lengths`: the model is traced on these shapes,
+    so a generator's or `PyDataset`'s second batch is read as well, for
+    the dims that vary (`_lengths_that_vary`).
     """
     import tensorflow as tf
 
-    first = None
+    first = second = None
     if isinstance(x, tf.data.Dataset):
         read = _dataset_batch(x)
         if read is not None:
@@ -451,17 +454,25 @@ def _peek_batch(
         if not _replayable(x):
             return None, x
         first = next(iter(x.take(1)))
+        # The same rule for the dims its element spec leaves unknown.
+        second = x.element_spec
     elif isinstance(x, keras.utils.PyDataset):
         # A batch made from the script's random streams (keras.io's
         # metric learning draws its pairs from Python's `random`): read
         # with them put back, fit's own reads draw what plain Keras's do.
         with user_random.kept():
             first = x[0]
+            if lengths and _batches_of(x) != 1:
+                second = x[1]
     elif hasattr(x, "__next__"):
         first = next(x)
-        x = _prepend(first, x)
+        second = next(x, None) if lengths else None
+        x = _prepend([first] if second is None else [first, second], x)
     if first is not None:
         inputs = first[0] if isinstance(first, tuple) else first
+        if second is not None:
+            inputs = _lengths_that_vary(
+                inputs, second[0] if isinstance(second, tuple) else second)
         return _Peeked(_leading_dim(inputs), inputs), x
     size = _KERAS_DEFAULT_BATCH_SIZE if batch_size is None else batch_size
     return _Peeked(int(size), x), x
@@ -589,10 +600,59 @@ def _chain_batch_size(dataset: Any, depth: int = 32,
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def _prepend(first: Any, rest: Iterator) -> Iterator:
-    """A generator (what Keras's data adapters accept) of first + rest."""
-    yield first
+def _prepend(read: list, rest: Iterator) -> Iterator:
+    """A generator (what Keras's data adapters accept) of the elements
+    already `read` + rest."""
+    yield from read
     yield from rest
+
+
+def _batches_of(dataset: Any) -> int | None:
+    """A `PyDataset`'s number of batches; None where it does not say."""
+    try:
+        return dataset.num_batches
+    except NotImplementedError:
+        return None
+
+
+def _lengths_that_vary(first: Any, other: Any) -> Any:
+    """`first`'s inputs, with each dim beyond the batch that `other`
+    (a second batch, or a dataset's element spec) has otherwise or
+    leaves unknown made unknown (a `tf.TensorSpec` for that input).
+
+    Why: a model whose `keras.Input` leaves its length unknown is traced
+    on the data's shapes (`keras_graph.needs_trace`). Traced on the
+    first batch alone, a generator of batches padded each to its longest
+    got a graph of the first batch's length; its later lengths ran
+    without their layouts and DTensor refused the step ("TransposeOp SPMD
+    needs communication", a GRU): the model trained as plain Keras. Dims
+    unknown here are `varying` and never split, as for a dataset whose
+    element spec leaves them unknown. Keras itself reads two batches of
+    a generator or `PyDataset` for their spec
+    (`NUM_BATCHES_FOR_TENSOR_SPEC`).
+    """
+    import tensorflow as tf
+
+    def widened(value, like):
+        shape = tuple(np.shape(value))
+        like_shape = tuple(np.shape(like))
+        if len(shape) != len(like_shape):
+            return value
+        dims = (shape[0],) + tuple(
+            d if d == e else None for d, e in zip(shape[1:], like_shape[1:]))
+        if dims == shape:
+            return value
+        try:
+            dtype = tf.as_dtype(value.dtype if hasattr(value, "dtype")
+                                else np.asarray(value).dtype)
+        except TypeError:  # Python objects: Keras reads them as they are
+            return value
+        return tf.TensorSpec(dims, dtype)
+
+    try:
+        return keras.tree.map_structure(widened, first, other)
+    except (TypeError, ValueError):  # other structures: the first's
+        return first
 
 
 def _shape_of(inputs: Any) -> Any:

@@ -13,6 +13,8 @@ DTensor lays out only on static shapes, gets one trace per length, up
 to `MAX_STATIC_LENGTHS`, then trains as plain Keras, saying why.
 """
 
+import os
+import tempfile
 import unittest
 
 import keras
@@ -113,6 +115,49 @@ def build_rnn(mod):
     return model
 
 
+def own_length_batches(count, seed):
+    """`count` batches of 8 token rows, each batch as long as its own
+    longest row (what a generator or `PyDataset` that pads per batch
+    yields), the first two of other lengths (Keras reads two to tell
+    which dims vary), zeros past each row's end."""
+    rng = np.random.default_rng(seed)
+    batches = []
+    for i in range(count):
+        length = 6 + (3 * i + 5 * (i % 2)) % 9
+        tokens = rng.integers(1, 30, (8, length)).astype("int32")
+        tokens[::3, length - 2:] = 0
+        batches.append((tokens, rng.integers(0, 3, 8)))
+    return batches
+
+
+class OwnLengthBatches(keras.utils.PyDataset):
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, index):
+        return self.batches[index]
+
+
+def build_masked_gru(mod, strategy_file=None):
+    """Masked tokens of any length into a GRU with dropout, a Dropout,
+    a Dense; compiled (ours with `strategy_file` imported)."""
+    tokens = mod.Input((None,), dtype="int32", name="tokens")
+    h = mod.layers.Embedding(30, 8, mask_zero=True, name="embed")(tokens)
+    h = mod.layers.GRU(8, dropout=0.2, seed=2, name="gru")(h)
+    h = mod.layers.Dropout(0.3, seed=4, name="drop")(h)
+    model = mod.Model(tokens, mod.layers.Dense(3, name="out")(h))
+    options = {} if mod is keras else {"import_strategy": strategy_file}
+    model.compile(optimizer=mod.optimizers.Adam(1e-2),
+                  loss=mod.losses.SparseCategoricalCrossentropy(
+                      from_logits=True),
+                  metrics=["accuracy"], **options)
+    return model
+
+
 def fit_evaluate_predict(train, test):
     def run(model):
         history = model.fit(train(), epochs=2, validation_data=test(),
@@ -170,6 +215,67 @@ class VaryingLengthsTest(unittest.TestCase):
         for a, b in zip(runs["plain"][0].get_weights(),
                         runs["ours"][0].get_weights()):
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+    def test_generator_py_dataset_and_bucketed_dataset_of_own_lengths(self):
+        # Traced on the first batch alone, the graph had that batch's
+        # length; the GRU's later lengths ran without their layouts and
+        # DTensor refused the step ("TransposeOp SPMD needs communication
+        # is not supported yet"): the model trained as plain Keras.
+        train, test = own_length_batches(12, 0), own_length_batches(4, 1)
+
+        def endless(batches):
+            while True:
+                yield from batches
+
+        def bucketed():
+            """The same rows, batched by `bucket_by_sequence_length`: a
+            batch size no `batch` call in the chain tells, so fit()
+            reads the first batch (the dataset replays it)."""
+            rows = [row for tokens, _ in train for row in tokens.tolist()]
+            labels = np.concatenate([y for _, y in train])
+            return tf.data.Dataset.from_tensor_slices(
+                (tf.ragged.constant(rows, dtype=tf.int32), labels)).map(
+                lambda t, y: (t, y)).bucket_by_sequence_length(
+                lambda t, y: tf.shape(t)[0], bucket_boundaries=[9, 12],
+                bucket_batch_sizes=[8, 8, 8], drop_remainder=True)
+
+        feeds = {
+            "bucketed dataset": lambda model: model.fit(
+                bucketed(), epochs=2, validation_data=OwnLengthBatches(test),
+                verbose=0),
+            "generator": lambda model: model.fit(
+                endless(train), steps_per_epoch=len(train), epochs=2,
+                validation_data=OwnLengthBatches(test), verbose=0),
+            "PyDataset": lambda model: model.fit(
+                OwnLengthBatches(train), epochs=2,
+                validation_data=endless(test), validation_steps=len(test),
+                verbose=0),
+        }
+        folder = tempfile.mkdtemp()
+        path = os.path.join(folder, "gru_split.txt")
+        with open(path, "w") as file:  # the embedding whole on device 0
+            # (its input conversion and mask take data parallelism)
+            file.write("[embed] num_dims(3) dims[1,1,1] device_ids[0]\n"
+                       "[gru] num_dims(2) dims[4,1] device_ids[0,1,2,3]\n"
+                       "[drop] num_dims(2) dims[4,1] device_ids[0,1,2,3]\n"
+                       "[out] num_dims(2) dims[4,1] device_ids[0,1,2,3]\n")
+        for feed, fit in feeds.items():
+            with self.subTest(feed):
+                runs = train_plain_and_ours(
+                    lambda mod: build_masked_gru(mod, path), 7,
+                    lambda model: [
+                        fit(model).history,
+                        model.evaluate(OwnLengthBatches(test), verbose=0),
+                        model.predict(OwnLengthBatches(test), verbose=0)])
+                assert_own_step_under_strategy(self, runs)
+                assert_same_fit_evaluate_predict(self, runs)
+                model = runs["ours"][0]
+                (tokens,) = model.plan.graph.inputs
+                self.assertEqual(model.plan.graph.tensors[tokens].varying,
+                                 (1,))
+                self.assertEqual(model.strategy["gru"].device_ids,
+                                 (0, 1, 2, 3))
 
 
 class SignaturesTest(unittest.TestCase):
