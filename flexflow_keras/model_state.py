@@ -36,6 +36,9 @@ class ModelState:
             traced again from, for another batch size.
         traced_whole: Whether `traced_function` is the model called as
             one op (its `call()` runs on no symbolic tensors).
+        traced_lengths: Per input (flattened), the dims beyond the batch
+            fit()'s data had where the model was traced on them (None:
+            unknown, varying); None where it was not.
         trace_failure: Why that trace failed, or None.
         runtime_failure: Why the strategy stopped running on TensorFlow
             (later fits stay plain Keras), or None.
@@ -52,6 +55,7 @@ class ModelState:
     traced_at: dict[int, Any] = dataclasses.field(default_factory=dict)
     trace_inputs: Any = None
     traced_whole: bool = False
+    traced_lengths: list | None = None
     trace_failure: str | None = None
     runtime_failure: str | None = None
     warned_plain: bool = False

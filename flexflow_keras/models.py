@@ -9,6 +9,7 @@ for the batch size that fit uses. A plan is kept per batch size.
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -130,6 +131,7 @@ class _PlanningModel(StrategyTrainer):
                 found, x = _peek_batch(x, batch_size,
                                        lengths=needs_trace(self))
                 if found is not None:
+                    self._planned_again_for_lengths(found.inputs)
                     self._plan_for(found)
                 elif state.plan is None:
                     self._tell_plain_once(
@@ -137,6 +139,22 @@ class _PlanningModel(StrategyTrainer):
                         f"device: {_unread_dataset_reason(x)}",
                         stacklevel=4)
             return super().fit(x, y, batch_size, *args, **kwargs)
+
+    def evaluate(self, x: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """`keras.Model.evaluate`, planned again first where `x` comes
+        in another length (`_planned_again_for_lengths`); not inside a
+        fit, whose validation runs under the fit's plan."""
+        with own_loops.entered():
+            if not kwargs.get("_use_cached_eval_dataset"):
+                self._planned_again_for_lengths(x)
+            return super().evaluate(x, *args, **kwargs)
+
+    def predict(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        """`keras.Model.predict`, planned again first where `x` comes in
+        another length (`_planned_again_for_lengths`)."""
+        with own_loops.entered():
+            self._planned_again_for_lengths(x)
+            return super().predict(x, *args, **kwargs)
 
     def train_on_batch(self, x: Any = None, *args: Any,
                        **kwargs: Any) -> Any:
@@ -150,10 +168,26 @@ class _PlanningModel(StrategyTrainer):
         """
         state = state_of(self)
         with own_loops.entered():
+            self._planned_again_for_lengths(x)
             if (state.settings is not None and state.plan is None
                     and not state.warned_plain and x is not None):
                 self._plan_for(_Peeked(_leading_dim(x), x))
             return super().train_on_batch(x, *args, **kwargs)
+
+    def test_on_batch(self, x: Any = None, *args: Any,
+                      **kwargs: Any) -> Any:
+        """`keras.Model.test_on_batch`, planned again first where `x`
+        comes in another length (`_planned_again_for_lengths`)."""
+        with own_loops.entered():
+            self._planned_again_for_lengths(x)
+            return super().test_on_batch(x, *args, **kwargs)
+
+    def predict_on_batch(self, x: Any) -> Any:
+        """`keras.Model.predict_on_batch`, planned again first where `x`
+        comes in another length (`_planned_again_for_lengths`)."""
+        with own_loops.entered():
+            self._planned_again_for_lengths(x)
+            return super().predict_on_batch(x)
 
     def _plan_for(self, found: "_Peeked") -> None:
         """Builds, traces and plans the model for the data `found` reads
@@ -230,6 +264,83 @@ class _PlanningModel(StrategyTrainer):
                 self, found.symbolic_inputs(), found.batch_size)
             if failure is not None:
                 state_of(self).trace_failure = failure
+            else:
+                state_of(self).traced_lengths = [
+                    tuple(np.shape(leaf))[1:]
+                    for leaf in keras.tree.flatten(found.inputs)]
+
+    def _planned_again_for_lengths(self, inputs: Any) -> None:
+        """Plans the model again, with the lengths in which `inputs`
+        (arrays or tensors fed to fit, evaluate or predict, or a batch's
+        specs) differ from those it was traced on left unknown
+        (`varying`: never split); nothing where none differ.
+
+        Why: a model whose `keras.Input` leaves a length unknown is
+        planned for the length of the data fit() feeds first, and its
+        plan may split that length or run over several meshes, whose
+        functions keep the graph's shapes. Predicting on another length
+        (text generation; a test set padded otherwise) then raised
+        DTensor's error from the script ("requires dimension 1 to be
+        divisible by sharding"). Planned again as varying, every later
+        length runs under the new plan.
+        """
+        import tensorflow as tf
+
+        from flexflow_keras import runtime
+
+        state = state_of(self)
+        if (state.traced_lengths is None or state.plan is None
+                or state.settings is None or state.traced_whole):
+            return
+        try:
+            leaves = keras.tree.flatten(inputs)
+        except (TypeError, ValueError):
+            return
+        if len(leaves) != len(state.traced_lengths):
+            return
+        specs, changed = [], []
+        for leaf, were in zip(leaves, state.traced_lengths):
+            if not (isinstance(leaf, (np.ndarray, tf.TensorSpec))
+                    or tf.is_tensor(leaf)):
+                return  # a dataset or generator: read where fit peeks
+            shape = tuple(np.shape(leaf))[1:]
+            if len(shape) != len(were):
+                return
+            dims = tuple(w if w == d else None for w, d in zip(were, shape))
+            if dims != were:
+                changed.append((tuple(np.shape(leaf)), were))
+            dtype = leaf.dtype
+            if isinstance(dtype, np.dtype) and dtype.kind in "USO":
+                dtype = tf.string
+            specs.append(tf.TensorSpec((None,) + dims, tf.as_dtype(dtype)))
+        if not changed:
+            return
+        received, planned = changed[0]
+        planned = ", ".join(map(str, (None,) + planned))
+        imported = state.settings.import_strategy
+        warnings.warn(
+            f"Model '{self.name}' is planned again: its inputs came in "
+            f"another length than it was planned for (received shape "
+            f"{received}, planned for ({planned})). Lengths that change "
+            "are never split" + (
+                f"; the strategy imported from {imported} is used where "
+                "it splits none of them, else a search replaces it."
+                if imported else "."), stacklevel=3)
+        batch = state.plan.graph.batch_size
+        runtime.detach_strategy(self)
+        state.plan, state.plans = None, {}
+        state.traced_function, state.traced_at = None, {}
+        state.traced_batch = state.trace_inputs = None
+        found = _Peeked(batch, keras.tree.pack_sequence_as(inputs, specs))
+        try:
+            self._plan_for(found)
+        except ValueError:
+            if not imported:
+                raise
+            # The file splits a length that now changes: searched.
+            state.settings = dataclasses.replace(
+                state.settings, import_strategy=None)
+            self._plan_for(found)
 
     def _ensure_plan(self, batch_size: int, stacklevel: int = 3) -> None:
         """Plans for `batch_size` once, then attaches it to the runtime

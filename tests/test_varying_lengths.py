@@ -278,6 +278,97 @@ class VaryingLengthsTest(unittest.TestCase):
                                  (0, 1, 2, 3))
 
 
+    def test_fitted_on_one_length_runs_others(self):
+        """A model whose Input leaves its length unknown is planned for
+        the length of the arrays fit() feeds (10). Fed other lengths:
+
+        - a GRU split over 4 devices (one mesh): validation inside the
+          fit ran the GRU's input where DTensor propagated it, and its
+          rolled loop failed in DTensor ("TransposeOp SPMD needs
+          communication"): the model went to plain Keras for good;
+        - a Dense split over the length on 2 devices, the rest data
+          parallel (several meshes): predict raised DTensor's "requires
+          dimension 1 to be divisible by sharding" from the script.
+
+        Now validation keeps the plan's layouts where they split none of
+        the dims that differ, and predict, evaluate and fit on another
+        length plan the model again with that length varying.
+        """
+        rng = np.random.default_rng(2)
+        tokens = {length: rng.integers(1, 30, (32, length)).astype("int32")
+                  for length in (10, 20, 7, 14)}
+        labels = rng.integers(0, 3, 32)
+        strategies = {
+            "masked GRU": (build_masked_gru, (
+                "[embed] num_dims(3) dims[1,1,1] device_ids[0]\n"
+                "[gru] num_dims(2) dims[4,1] device_ids[0,1,2,3]\n"
+                "[drop] num_dims(2) dims[4,1] device_ids[0,1,2,3]\n"
+                "[out] num_dims(2) dims[4,1] device_ids[0,1,2,3]\n")),
+            "length split": (build_token_dense, (
+                "[embed] num_dims(3) dims[2,1,1] device_ids[0,1]\n"
+                "[proj] num_dims(3) dims[1,2,1] device_ids[0,1]\n")),
+        }
+
+        def run(model):
+            first = model.fit(tokens[10], labels, batch_size=16, epochs=2,
+                              validation_data=(tokens[20], labels),
+                              verbose=0).history
+            seen = [model.predict(tokens[20], verbose=0),
+                    model.predict(tokens[7][:5], verbose=0),
+                    model.evaluate(tokens[20], labels, verbose=0)]
+            again = model.fit(tokens[14], labels, batch_size=16, epochs=1,
+                              verbose=0).history
+            return [first, seen, again, model.predict(tokens[7], verbose=0)]
+
+        folder = tempfile.mkdtemp()
+        for name, (build, text) in strategies.items():
+            with self.subTest(name):
+                path = os.path.join(folder, "s.txt")
+                with open(path, "w") as file:
+                    file.write(text)
+                runs = train_plain_and_ours(lambda mod: build(mod, path), 8,
+                                            run)
+                (_, expected, _), (model, got, said) = (runs["plain"],
+                                                        runs["ours"])
+                self.assertEqual(
+                    [m for m in said if "plain Keras" in m], [], said)
+                again = [m for m in said if "is planned again" in m]
+                self.assertEqual(len(again), 1, said)
+                self.assertIn("received shape (32, 20)", again[0])
+                for key in sorted(expected[0]):
+                    np.testing.assert_allclose(got[0][key], expected[0][key],
+                                               rtol=1e-5, err_msg=key)
+                np.testing.assert_allclose(got[2]["loss"],
+                                           expected[2]["loss"], rtol=1e-5)
+                for mine, plain in zip(got[1] + [got[3]],
+                                       expected[1] + [expected[3]]):
+                    np.testing.assert_allclose(mine, plain, rtol=1e-5,
+                                               atol=1e-6)
+                for a, b in zip(runs["plain"][0].get_weights(),
+                                model.get_weights()):
+                    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+                graph = model.plan.graph
+                (tokens_in,) = graph.inputs
+                self.assertEqual(graph.tensors[tokens_in].varying, (1,))
+                self.assertGreater(len({d for c in model.strategy.values()
+                                        for d in c.device_ids}), 1)
+
+
+def build_token_dense(mod, strategy_file=None):
+    """Tokens of any length, a Dense over each position, pooled."""
+    tokens = mod.Input((None,), dtype="int32", name="tokens")
+    h = mod.layers.Embedding(30, 8, name="embed")(tokens)
+    h = mod.layers.Dense(8, activation="relu", name="proj")(h)
+    h = mod.layers.GlobalAveragePooling1D(name="pool")(h)
+    model = mod.Model(tokens, mod.layers.Dense(3, name="out")(h))
+    options = {} if mod is keras else {"import_strategy": strategy_file}
+    model.compile(optimizer=mod.optimizers.Adam(1e-2),
+                  loss=mod.losses.SparseCategoricalCrossentropy(
+                      from_logits=True),
+                  metrics=["accuracy"], **options)
+    return model
+
+
 class SignaturesTest(unittest.TestCase):
     @staticmethod
     def key(kind, *dims, padded=(None,)):

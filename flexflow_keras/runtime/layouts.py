@@ -156,6 +156,33 @@ class OpPlan:
                 specs[dim] = axis
         return dtensor.Layout(specs, self.mesh)
 
+    def layout_of_call_input(self, position: int, shape: tuple,
+                             sharded_batch: bool) -> Any:
+        """The layout input `position` of a traced call, of `shape`, is
+        moved to; None where it is not the op's input as planned.
+
+        A tensor of the graph's shape (`Op.takes`) takes `input_layout`.
+        So does one whose lengths differ from the graph's where the
+        layout splits none of the dims that differ: a model whose
+        `keras.Input` leaves its length unknown, planned for the arrays
+        fit() fed it, predicting on another length (text generation,
+        a test set padded otherwise). Left where DTensor propagated it,
+        such an input met a recurrent loop's batch-split layouts and
+        DTensor refused the step ("TransposeOp SPMD needs communication
+        is not supported yet"): the model went to plain Keras for good.
+        """
+        planned = self.op.input_shapes[position]
+        if self.op.takes(position, shape):
+            return self.input_layout(position, planned, sharded_batch)
+        if len(shape) != len(planned):
+            return None
+        layout = self.input_layout(position, planned, sharded_batch)
+        if any(layout.sharding_specs[dim] != UNSHARDED
+               for dim in range(1, len(planned))
+               if shape[dim] != planned[dim]):
+            return None
+        return layout
+
     def shard_axis_of(self, variable: Any) -> int | None:
         """The axis of `variable`, one of the op's layer's, that the op's
         parameter split shards (`WeightInfo.shard_axis`); None:

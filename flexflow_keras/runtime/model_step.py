@@ -444,10 +444,10 @@ class ModelStepExecutor:
         plan = _matching_plan(plans, leaves)
         layouts = {}  # by the graph's shapes: traced ones have batch None
         for pos, value in enumerate(leaves[: len(plan.op.inputs)]):
-            if plan.op.takes(pos, tuple(value.shape)):
-                layouts[pos] = plan.input_layout(
-                    pos, plan.op.input_shapes[pos], self._sharded
-                )
+            layout = plan.layout_of_call_input(
+                pos, tuple(value.shape), self._sharded)
+            if layout is not None:
+                layouts[pos] = layout
         # By position, not by tensor: self-attention passes one tensor as
         # query and value, whose layouts differ under a sequence split
         # (keyed by tensor, the query came in replicated: `realized.py`).
