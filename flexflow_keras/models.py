@@ -309,11 +309,8 @@ class _PlanningModel(StrategyTrainer):
             dims = tuple(w if w == d else None for w, d in zip(were, shape))
             if dims != were:
                 changed.append((tuple(np.shape(leaf)), were))
-            dtype = leaf.dtype
-            if isinstance(dtype, np.dtype) and dtype.kind in "USO":
-                dtype = tf.string
-            specs.append(tf.TensorSpec((None,) + dims, tf.as_dtype(dtype)))
-        if not changed:
+            specs.append(_spec_like(leaf, (None,) + dims))
+        if not changed or None in specs:
             return
         received, planned = changed[0]
         planned = ", ".join(map(str, (None,) + planned))
@@ -742,7 +739,6 @@ def _lengths_that_vary(first: Any, other: Any) -> Any:
     a generator or `PyDataset` for their spec
     (`NUM_BATCHES_FOR_TENSOR_SPEC`).
     """
-    import tensorflow as tf
 
     def widened(value, like):
         shape = tuple(np.shape(value))
@@ -753,17 +749,29 @@ def _lengths_that_vary(first: Any, other: Any) -> Any:
             d if d == e else None for d, e in zip(shape[1:], like_shape[1:]))
         if dims == shape:
             return value
-        try:
-            dtype = tf.as_dtype(value.dtype if hasattr(value, "dtype")
-                                else np.asarray(value).dtype)
-        except TypeError:  # Python objects: Keras reads them as they are
-            return value
-        return tf.TensorSpec(dims, dtype)
+        spec = _spec_like(value, dims)
+        return value if spec is None else spec
 
     try:
         return keras.tree.map_structure(widened, first, other)
     except (TypeError, ValueError):  # other structures: the first's
         return first
+
+
+def _spec_like(value: Any, dims: tuple) -> Any:
+    """A `tf.TensorSpec` of `dims` and `value`'s dtype (NumPy strings
+    as `tf.string`); None for Python objects, which Keras reads as they
+    are."""
+    import tensorflow as tf
+
+    dtype = value.dtype if hasattr(value, "dtype") else (
+        np.asarray(value).dtype)
+    if isinstance(dtype, np.dtype) and dtype.kind in "US":
+        dtype = tf.string
+    try:
+        return tf.TensorSpec(dims, tf.as_dtype(dtype))
+    except TypeError:
+        return None
 
 
 def _shape_of(inputs: Any) -> Any:
