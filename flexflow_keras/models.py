@@ -131,6 +131,10 @@ class _PlanningModel(StrategyTrainer):
                 found, x = _peek_batch(x, batch_size,
                                        lengths=needs_trace(self))
                 if found is not None:
+                    found = _with_validation_lengths(
+                        found, kwargs.get("validation_data",
+                                          args[4] if len(args) > 4
+                                          else None))
                     self._planned_again_for_lengths(found.inputs)
                     self._plan_for(found)
                 elif state.plan is None:
@@ -756,6 +760,34 @@ def _lengths_that_vary(first: Any, other: Any) -> Any:
         return keras.tree.map_structure(widened, first, other)
     except (TypeError, ValueError):  # other structures: the first's
         return first
+
+
+def _with_validation_lengths(found: _Peeked, validation_data: Any
+                             ) -> _Peeked:
+    """`found`, with the dims in which fit()'s `validation_data` inputs
+    (arrays, tensors, or a dataset's element spec) differ from it made
+    unknown (`_lengths_that_vary`); as it is where there are none, or
+    they come from a generator (not read twice).
+
+    Why: the validation inside a fit runs under the fit's plan. Planned
+    for the training length alone, a plan that split that length or
+    spanned several meshes raised DTensor's error at the first
+    validation step of another length ("requires dimension 1 to be
+    divisible by sharding").
+    """
+    import tensorflow as tf
+
+    if isinstance(validation_data, tf.data.Dataset):
+        spec = validation_data.element_spec
+        inputs = spec[0] if isinstance(spec, tuple) else spec
+    elif isinstance(validation_data, (tuple, list)) and validation_data:
+        inputs = validation_data[0]
+    else:
+        return found
+    if found.inputs is None:
+        return found
+    return _Peeked(found.batch_size,
+                   _lengths_that_vary(found.inputs, inputs))
 
 
 def _spec_like(value: Any, dims: tuple) -> Any:

@@ -121,10 +121,14 @@ def validate_config(
                 f"{d} ({kind})"
                 for d, kind in sorted(op.partitionable.items())
             )
+            varying = (" Lengths that change from batch to batch (the "
+                       "model's data, or its validation data, came in "
+                       "several) are never split."
+                       if any(op.varying_inputs) else "")
             raise ValueError(
                 f"Op '{op.name}' ({op.type}) cannot split output dim {dim}. "
                 f"Received: dims={config.dims}. Dims it may split: "
-                f"{allowed or 'none'}; use 1 for the others."
+                f"{allowed or 'none'}; use 1 for the others.{varying}"
             )
         if shape[dim] % degree:
             raise ValueError(

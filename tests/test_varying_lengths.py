@@ -297,46 +297,51 @@ class VaryingLengthsTest(unittest.TestCase):
         """A model whose Input leaves its length unknown is planned for
         the length of the arrays fit() feeds (10). Fed other lengths:
 
-        - a GRU split over 4 devices (one mesh): validation inside the
-          fit ran the GRU's input where DTensor propagated it, and its
-          rolled loop failed in DTensor ("TransposeOp SPMD needs
-          communication"): the model went to plain Keras for good;
+        - a GRU split over 4 devices (one mesh): validation from a
+          `PyDataset` of length 20 ran the GRU's input where DTensor
+          propagated it, and its rolled loop failed in DTensor
+          ("TransposeOp SPMD needs communication"): the model went to
+          plain Keras for good;
         - a Dense split over the length on 2 devices, the rest data
           parallel (several meshes): predict raised DTensor's "requires
           dimension 1 to be divisible by sharding" from the script.
 
-        Now validation keeps the plan's layouts where they split none of
-        the dims that differ, and predict, evaluate and fit on another
-        length plan the model again with that length varying.
+        Now a call's input keeps the plan's layout where that splits
+        none of the dims that differ, and predict, evaluate and fit on
+        another length plan the model again with that length varying.
         """
         rng = np.random.default_rng(2)
         tokens = {length: rng.integers(1, 30, (32, length)).astype("int32")
                   for length in (10, 20, 7, 14)}
         labels = rng.integers(0, 3, 32)
         strategies = {
-            "masked GRU": (build_masked_gru, (
+            "masked GRU": (build_masked_gru, 20, (
                 "[embed] num_dims(3) dims[1,1,1] device_ids[0]\n"
                 "[gru] num_dims(2) dims[4,1] device_ids[0,1,2,3]\n"
                 "[drop] num_dims(2) dims[4,1] device_ids[0,1,2,3]\n"
                 "[out] num_dims(2) dims[4,1] device_ids[0,1,2,3]\n")),
-            "length split": (build_token_dense, (
+            "length split": (build_token_dense, 10, (
                 "[embed] num_dims(3) dims[2,1,1] device_ids[0,1]\n"
                 "[proj] num_dims(3) dims[1,2,1] device_ids[0,1]\n")),
         }
-
-        def run(model):
-            first = model.fit(tokens[10], labels, batch_size=16, epochs=2,
-                              validation_data=(tokens[20], labels),
-                              verbose=0).history
-            seen = [model.predict(tokens[20], verbose=0),
-                    model.predict(tokens[7][:5], verbose=0),
-                    model.evaluate(tokens[20], labels, verbose=0)]
-            again = model.fit(tokens[14], labels, batch_size=16, epochs=1,
-                              verbose=0).history
-            return [first, seen, again, model.predict(tokens[7], verbose=0)]
-
         folder = tempfile.mkdtemp()
-        for name, (build, text) in strategies.items():
+        for name, (build, validated_on, text) in strategies.items():
+            def run(model):
+                # A PyDataset is not read ahead for its lengths.
+                validation = OwnLengthBatches(
+                    [(tokens[validated_on][:16], labels[:16]),
+                     (tokens[validated_on][16:], labels[16:])])
+                first = model.fit(tokens[10], labels, batch_size=16,
+                                  epochs=2, validation_data=validation,
+                                  verbose=0).history
+                seen = [model.predict(tokens[20], verbose=0),
+                        model.predict(tokens[7][:5], verbose=0),
+                        model.evaluate(tokens[20], labels, verbose=0)]
+                again = model.fit(tokens[14], labels, batch_size=16,
+                                  epochs=1, verbose=0).history
+                return [first, seen, again,
+                        model.predict(tokens[7], verbose=0)]
+
             with self.subTest(name):
                 path = os.path.join(folder, "s.txt")
                 with open(path, "w") as file:
@@ -367,6 +372,38 @@ class VaryingLengthsTest(unittest.TestCase):
                 self.assertEqual(graph.tensors[tokens_in].varying, (1,))
                 self.assertGreater(len({d for c in model.strategy.values()
                                         for d in c.device_ids}), 1)
+
+    def test_validation_of_another_length_plans_it_varying(self):
+        """Validation arrays of another length than fit's: the plan
+        leaves that length varying from the start (a searched plan), and
+        a strategy file that splits it is refused, saying why; before,
+        the first validation step raised DTensor's error."""
+        import flexflow_keras as fk
+
+        rng = np.random.default_rng(3)
+        x, y = rng.integers(1, 30, (32, 10)), rng.integers(0, 3, 32)
+        x_val = rng.integers(1, 30, (16, 7))
+        runs = train_plain_and_ours(build_token_dense, 9, lambda model: [
+            model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                      validation_data=(x_val, y[:16])).history,
+            model.evaluate(x_val, y[:16], verbose=0),
+            model.predict(x_val, verbose=0)])
+        assert_own_step_under_strategy(self, runs)
+        assert_same_fit_evaluate_predict(self, runs)
+        graph = runs["ours"][0].plan.graph
+        self.assertEqual(graph.tensors[graph.inputs[0]].varying, (1,))
+        self.assertEqual(
+            [m for m in runs["ours"][2] if "planned again" in m], [])
+
+        path = os.path.join(tempfile.mkdtemp(), "split.txt")
+        with open(path, "w") as file:
+            file.write("[proj] num_dims(3) dims[1,2,1] device_ids[0,1]\n")
+        model = build_token_dense(fk, path)
+        with self.assertRaisesRegex(
+                ValueError, "cannot split output dim 1.*Lengths that "
+                "change from batch to batch"):
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                      validation_data=(x_val, y[:16]))
 
 
 class SignaturesTest(unittest.TestCase):
