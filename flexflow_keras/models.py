@@ -131,10 +131,8 @@ class _PlanningModel(StrategyTrainer):
                 found, x = _peek_batch(x, batch_size,
                                        lengths=needs_trace(self))
                 if found is not None:
-                    found = _with_validation_lengths(
-                        found, kwargs.get("validation_data",
-                                          args[4] if len(args) > 4
-                                          else None))
+                    found, args, kwargs = _with_validation_lengths(
+                        found, args, kwargs, read=needs_trace(self))
                     self._planned_again_for_lengths(found.inputs)
                     self._plan_for(found)
                 elif state.plan is None:
@@ -762,32 +760,52 @@ def _lengths_that_vary(first: Any, other: Any) -> Any:
         return first
 
 
-def _with_validation_lengths(found: _Peeked, validation_data: Any
-                             ) -> _Peeked:
+def _with_validation_lengths(found: _Peeked, args: tuple, kwargs: dict,
+                             read: bool = False
+                             ) -> tuple[_Peeked, tuple, dict]:
     """`found`, with the dims in which fit()'s `validation_data` inputs
-    (arrays, tensors, or a dataset's element spec) differ from it made
-    unknown (`_lengths_that_vary`); as it is where there are none, or
-    they come from a generator (not read twice).
+    differ from it made unknown (`_lengths_that_vary`), and fit()'s
+    `args` and `kwargs` with that validation data as it will be read.
 
-    Why: the validation inside a fit runs under the fit's plan. Planned
-    for the training length alone, a plan that split that length or
-    spanned several meshes raised DTensor's error at the first
-    validation step of another length ("requires dimension 1 to be
-    divisible by sharding").
+    Arrays and tensors are compared as they are, a dataset by its element
+    spec, and where `read` (the model is traced on its data's shapes) a
+    generator or `PyDataset` by its first two batches, as fit() reads its
+    training data (`_peek_batch`: the generator's put back in front, so
+    nothing is lost). Why: the validation inside a fit runs
+    under the fit's plan. Planned for the training length alone, a plan
+    that split that length or spanned several meshes raised DTensor's
+    error at the first validation step of another length ("requires
+    dimension 1 to be divisible by sharding").
     """
     import tensorflow as tf
 
-    if isinstance(validation_data, tf.data.Dataset):
-        spec = validation_data.element_spec
-        inputs = spec[0] if isinstance(spec, tuple) else spec
-    elif isinstance(validation_data, (tuple, list)) and validation_data:
-        inputs = validation_data[0]
+    at = 4  # fit(x, y, batch_size, epochs, verbose, callbacks, split, VAL)
+    positional = len(args) > at
+    data = args[at] if positional else kwargs.get("validation_data")
+    if data is None or found.inputs is None:
+        return found, args, kwargs
+    if isinstance(data, tf.data.Dataset):
+        spec = data.element_spec
+        batches = [spec[0] if isinstance(spec, tuple) else spec]
+    elif isinstance(data, (tuple, list)) and data:
+        batches = [data[0]]
+    elif read and (isinstance(data, keras.utils.PyDataset)
+                  or hasattr(data, "__next__")):
+        try:
+            peeked, data = _peek_batch(data, None, lengths=True)
+        except StopIteration:  # an empty generator: Keras's to judge
+            return found, args, kwargs
+        batches = [peeked.inputs]
+        if positional:
+            args = args[:at] + (data,) + args[at + 1:]
+        else:
+            kwargs = dict(kwargs, validation_data=data)
     else:
-        return found
-    if found.inputs is None:
-        return found
-    return _Peeked(found.batch_size,
-                   _lengths_that_vary(found.inputs, inputs))
+        return found, args, kwargs
+    inputs = found.inputs
+    for batch in batches:
+        inputs = _lengths_that_vary(inputs, batch)
+    return _Peeked(found.batch_size, inputs), args, kwargs
 
 
 def _spec_like(value: Any, dims: tuple) -> Any:

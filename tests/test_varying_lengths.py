@@ -297,7 +297,7 @@ class VaryingLengthsTest(unittest.TestCase):
         """A model whose Input leaves its length unknown is planned for
         the length of the arrays fit() feeds (10). Fed other lengths:
 
-        - a GRU split over 4 devices (one mesh): validation from a
+        - a GRU split over 4 devices (one mesh): a prediction from a
           `PyDataset` of length 20 ran the GRU's input where DTensor
           propagated it, and its rolled loop failed in DTensor
           ("TransposeOp SPMD needs communication"): the model went to
@@ -325,16 +325,19 @@ class VaryingLengthsTest(unittest.TestCase):
                 "[proj] num_dims(3) dims[1,2,1] device_ids[0,1]\n")),
         }
         folder = tempfile.mkdtemp()
-        for name, (build, validated_on, text) in strategies.items():
+        for name, (build, unread_length, text) in strategies.items():
             def run(model):
-                # A PyDataset is not read ahead for its lengths.
-                validation = OwnLengthBatches(
-                    [(tokens[validated_on][:16], labels[:16]),
-                     (tokens[validated_on][16:], labels[16:])])
                 first = model.fit(tokens[10], labels, batch_size=16,
-                                  epochs=2, validation_data=validation,
+                                  epochs=2, validation_data=(tokens[10],
+                                                             labels),
                                   verbose=0).history
-                seen = [model.predict(tokens[20], verbose=0),
+                # predict() does not read a PyDataset ahead for its
+                # lengths: they run under the plan for 10.
+                unread = OwnLengthBatches(
+                    [(tokens[unread_length][:16], labels[:16]),
+                     (tokens[unread_length][16:], labels[16:])])
+                seen = [model.predict(unread, verbose=0),
+                        model.predict(tokens[20], verbose=0),
                         model.predict(tokens[7][:5], verbose=0),
                         model.evaluate(tokens[20], labels, verbose=0)]
                 again = model.fit(tokens[14], labels, batch_size=16,
@@ -374,36 +377,50 @@ class VaryingLengthsTest(unittest.TestCase):
                                         for d in c.device_ids}), 1)
 
     def test_validation_of_another_length_plans_it_varying(self):
-        """Validation arrays of another length than fit's: the plan
-        leaves that length varying from the start (a searched plan), and
-        a strategy file that splits it is refused, saying why; before,
-        the first validation step raised DTensor's error."""
+        """Validation data of another length than fit's, as arrays, a
+        generator or a `PyDataset` (read ahead as fit's own data is):
+        the plan leaves that length varying from the start (a searched
+        plan), and a strategy file that splits it is refused, saying
+        why; before, the first validation step raised DTensor's error
+        ("requires dimension 1 to be divisible by sharding")."""
         import flexflow_keras as fk
 
         rng = np.random.default_rng(3)
         x, y = rng.integers(1, 30, (32, 10)), rng.integers(0, 3, 32)
         x_val = rng.integers(1, 30, (16, 7))
-        runs = train_plain_and_ours(build_token_dense, 9, lambda model: [
-            model.fit(x, y, batch_size=16, epochs=2, verbose=0,
-                      validation_data=(x_val, y[:16])).history,
-            model.evaluate(x_val, y[:16], verbose=0),
-            model.predict(x_val, verbose=0)])
-        assert_own_step_under_strategy(self, runs)
-        assert_same_fit_evaluate_predict(self, runs)
-        graph = runs["ours"][0].plan.graph
-        self.assertEqual(graph.tensors[graph.inputs[0]].varying, (1,))
-        self.assertEqual(
-            [m for m in runs["ours"][2] if "planned again" in m], [])
-
+        halves = [(x_val[:8], y[:8]), (x_val[8:], y[8:16])]
+        feeds = {
+            "arrays": lambda: (x_val, y[:16]),
+            "generator": lambda: (batch for batch in halves),
+            "PyDataset": lambda: OwnLengthBatches(halves),
+        }
         path = os.path.join(tempfile.mkdtemp(), "split.txt")
         with open(path, "w") as file:
             file.write("[proj] num_dims(3) dims[1,2,1] device_ids[0,1]\n")
-        model = build_token_dense(fk, path)
-        with self.assertRaisesRegex(
-                ValueError, "cannot split output dim 1.*Lengths that "
-                "change from batch to batch"):
-            model.fit(x, y, batch_size=16, epochs=1, verbose=0,
-                      validation_data=(x_val, y[:16]))
+        for feed, validation in feeds.items():
+            # A generator is read once: one epoch validates on it whole.
+            epochs = 1 if feed == "generator" else 2
+            with self.subTest(feed):
+                runs = train_plain_and_ours(build_token_dense, 9, lambda m: [
+                    m.fit(x, y, batch_size=16, epochs=epochs, verbose=0,
+                          validation_data=validation()).history,
+                    m.evaluate(x_val, y[:16], verbose=0),
+                    m.predict(x_val, verbose=0)])
+                assert_own_step_under_strategy(self, runs)
+                assert_same_fit_evaluate_predict(self, runs)
+                self.assertIn("val_loss", runs["ours"][1][0])
+                graph = runs["ours"][0].plan.graph
+                self.assertEqual(graph.tensors[graph.inputs[0]].varying,
+                                 (1,))
+                self.assertEqual(
+                    [m for m in runs["ours"][2] if "planned again" in m], [])
+
+                model = build_token_dense(fk, path)
+                with self.assertRaisesRegex(
+                        ValueError, "cannot split output dim 1.*Lengths "
+                        "that change from batch to batch"):
+                    model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                              validation_data=validation())
 
 
 class SignaturesTest(unittest.TestCase):
