@@ -61,6 +61,28 @@ def kept(model: Any = None) -> Iterator[None]:
                 variable.assign(value)
 
 
+_COPYING = [0]
+
+
+@contextlib.contextmanager
+def copying_in() -> Iterator[None]:
+    """Writes of Keras variables that bring in the values a strategy's
+    executor trained or advanced (its copy out): a `kept()` block around
+    them puts those values back, not the stale ones they replaced.
+
+    Why: an executor copies its values out at the first read of a Keras
+    variable after its steps; inside a `kept()` block (planning for a new
+    batch size) the copy counted as the block's write, and the block put
+    the value from before the copy back. A fit with a new batch size
+    after a predict then started from the seed states the predict had
+    advanced past (a GRU's dropout masks other than plain Keras's)."""
+    _COPYING[0] += 1
+    try:
+        yield
+    finally:
+        _COPYING[0] -= 1
+
+
 @contextlib.contextmanager
 def _writes_undone() -> Iterator[None]:
     """Runs the block, then puts back every Keras variable it assigned
@@ -79,6 +101,11 @@ def _writes_undone() -> Iterator[None]:
     assign = KerasVariable.assign
 
     def noted(variable: Any, value: Any) -> Any:
+        if _COPYING[0]:
+            # The runtime's values brought in: what is put back.
+            result = assign(variable, value)
+            before[id(variable)] = (variable, np.array(variable.numpy()))
+            return result
         if id(variable) not in before:
             try:
                 with tf.init_scope():  # a trace's write: read eagerly

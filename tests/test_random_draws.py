@@ -338,3 +338,90 @@ class RandomDrawsSlowTest(unittest.TestCase):
                     continue  # their own code plans one mesh
                 with self.subTest(model=name, strategy=make):
                     fit_both(self, build, make)
+
+
+class InferenceDrawsTest(unittest.TestCase):
+    """Keras's recurrent layers draw their dropout masks at every call,
+    inference included, so validation, evaluate and predict advance their
+    seeds. Before, under a strategy they did not (several meshes: the
+    layer-by-layer executor dropped inference's writes; one mesh: they
+    stayed in the executor, and went back to the Keras values when a new
+    batch size planned the model again, or were undone by the planning
+    itself): later fits drew other dropout masks than plain Keras."""
+
+    STRATEGIES = {
+        "one mesh": (
+            "[embed] num_dims(3) dims[1,1,1] device_ids[0]\n"
+            "[gru] num_dims(2) dims[4,1] device_ids[0,1,2,3]\n"
+            "[drop] num_dims(2) dims[4,1] device_ids[0,1,2,3]\n"
+            "[out] num_dims(2) dims[4,1] device_ids[0,1,2,3]\n",
+            "ModelStepExecutor"),
+        "several meshes": (
+            "[embed] num_dims(3) dims[1,1,1] device_ids[0]\n"
+            "[gru] num_dims(2) dims[2,1] device_ids[0,1]\n"
+            "[out] num_dims(2) dims[4,1] device_ids[0,1,2,3]\n",
+            "Executor"),
+    }
+
+    def test_validation_evaluate_and_predict_advance_seeds(self):
+        rng = np.random.default_rng(2)
+        x = rng.integers(1, 30, (32, 10)).astype("int32")
+        y = rng.integers(0, 3, 32)
+        folder = tempfile.mkdtemp()
+
+        def build(mod, path):
+            tokens = mod.Input((10,), dtype="int32", name="tokens")
+            h = mod.layers.Embedding(30, 8, name="embed")(tokens)
+            h = mod.layers.GRU(8, dropout=0.2, seed=2, name="gru")(h)
+            h = mod.layers.Dropout(0.3, seed=4, name="drop")(h)
+            model = mod.Model(tokens, mod.layers.Dense(3, name="out")(h))
+            options = {} if mod is keras else {"import_strategy": path}
+            model.compile(optimizer=mod.optimizers.Adam(1e-2),
+                          loss=mod.losses.SparseCategoricalCrossentropy(
+                              from_logits=True), **options)
+            return model
+
+        def run(model):
+            first = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                              validation_data=(x[:16], y[:16])).history
+            seen = [model.predict(x, batch_size=16, verbose=0),
+                    model.evaluate(x, y, batch_size=16, verbose=0)]
+            executor = type(model.strategy_executor).__name__ if (
+                hasattr(model, "strategy_executor")) else None
+            again = model.fit(x, y, batch_size=8, epochs=1,
+                              verbose=0).history
+            return first, seen, again, executor
+
+        for name, (text, executor) in self.STRATEGIES.items():
+            path = os.path.join(folder, name.replace(" ", "_") + ".txt")
+            with open(path, "w") as file:
+                file.write(text)
+            with self.subTest(name):
+                runs = {}
+                for label, mod in (("plain", keras), ("ours", fk)):
+                    keras.utils.set_random_seed(8)
+                    model = build(mod, path)
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        runs[label] = (model, run(model))
+                    if mod is fk:
+                        said = [str(w.message) for w in caught]
+                        self.assertEqual(
+                            [m for m in said if "plain Keras" in m], [])
+                (plain, expected), (ours, got) = runs["plain"], runs["ours"]
+                self.assertEqual(got[3], executor)
+                for mine, theirs in ((got[0], expected[0]),
+                                     (got[2], expected[2])):
+                    for key in theirs:
+                        np.testing.assert_allclose(
+                            mine[key], theirs[key], rtol=RTOL, err_msg=key)
+                np.testing.assert_allclose(got[1][0], expected[1][0],
+                                           rtol=RTOL, atol=1e-6)
+                np.testing.assert_allclose(got[1][1], expected[1][1],
+                                           rtol=RTOL)
+                for a, b in zip(plain.get_weights(), ours.get_weights()):
+                    np.testing.assert_allclose(b, a, rtol=RTOL, atol=1e-6)
+                self.assertEqual(
+                    [v.numpy().tolist() for v in ours.non_trainable_variables],
+                    [v.numpy().tolist()
+                     for v in plain.non_trainable_variables])

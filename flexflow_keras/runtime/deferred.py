@@ -164,12 +164,17 @@ def deferring(variables: Sequence[StepVariable]) -> Iterator[None]:
 
     Args:
         variables: The `StepVariable`s the traced step may write.
+
+    Yields:
+        A list that holds, once the block is done, the variables the
+        step writes.
     """
     _TRACE_GRAPH.append(tf.compat.v1.get_default_graph())
     for var in variables:
         var._deferring, var._kept = True, None
+    written: list = []
     try:
-        yield
+        yield written
         writes = [(v, v._kept) for v in variables if v._kept is not None]
     finally:
         for var in variables:
@@ -177,6 +182,7 @@ def deferring(variables: Sequence[StepVariable]) -> Iterator[None]:
         _TRACE_GRAPH.pop()
     for var, value in writes:
         var.assign(value, read_value=False)
+    written.extend(var for var, _ in writes)
 
 
 def _snapshot(variables: Sequence[StepVariable]) -> list:

@@ -163,6 +163,9 @@ class ModelStepExecutor:
                 self.mesh.dim_names[0]) == 0
         )
         self.dirty = False  # StepVariables newer than the Keras variables
+        # Step kinds that write Keras state besides metrics: train, and
+        # test or predict steps that advance a seed or a layer's state.
+        self._writing_kinds = {"train"}
         # Keras values and StepVariables last made equal (realized from
         # the Keras values, or copied)
         self._last_copy = fresh_state.LastCopy()
@@ -380,7 +383,7 @@ class ModelStepExecutor:
             var._value = step_var
         _ACTIVE.append(self)
         try:
-            with deferred.deferring(step_vars), \
+            with deferred.deferring(step_vars) as written, \
                     step_rules.traced_as_steps(
                         self.mesh, step_vars, self._random_state, kind,
                         self._unseeded_key), \
@@ -388,6 +391,7 @@ class ModelStepExecutor:
                     untracked.recording({id(k) for k, _, _ in self._pairs},
                                         self._untracked):
                 yield
+            self._note_state_written(kind, written)
         finally:
             _ACTIVE.pop()
             for var, value in saved:
@@ -397,6 +401,23 @@ class ModelStepExecutor:
                     del optimizer._var_key
                 else:
                     optimizer._var_key = key
+
+    def _note_state_written(self, kind: str, written: list) -> None:
+        """Steps of `kind` write Keras state other than metrics, where
+        `written` (the StepVariables a trace of one writes) has any.
+
+        Why: the Keras variables are copied out only after a step that
+        makes them `dirty`. Keras's recurrent layers draw their dropout
+        masks at every call, inference included, so a predict or
+        evaluate advances their seed generators; left unmarked, that
+        state went back to the Keras values at the next copy in (a
+        fit on a new plan), and the next fit's dropout masks were
+        other than plain Keras's after a predict."""
+        metric_ids = _metric_variable_ids(self.model)
+        keras_of = {id(step_var): var for var, step_var, _ in self._pairs}
+        if any(id(keras_of[id(v)]) not in metric_ids
+               for v in written if id(v) in keras_of):
+            self._writing_kinds.add(kind)
 
     def _stable_key(self, var_key: Any) -> Any:
         """The optimizer's `_var_key`, giving a StepVariable its Keras
@@ -699,10 +720,10 @@ class ModelStepExecutor:
             # would surface at some later op, past `_failed`'s reach.
             context.async_wait()
         self._ran.add(key)
-        if kind == "train":
+        if kind in self._writing_kinds:
             self.dirty = True
-            if first:  # FLEXFLOW_KERAS_SHOW_LAYOUTS
-                realized.show_once(self, data)
+        if kind == "train" and first:  # FLEXFLOW_KERAS_SHOW_LAYOUTS
+            realized.show_once(self, data)
         return tree.map_structure(_regular, outputs)
 
     def make_function(self, kind: str) -> Any:

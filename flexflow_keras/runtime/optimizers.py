@@ -19,6 +19,7 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from flexflow_keras import user_random
 from flexflow_keras.optimizer_slots import SUPPORTED, slot_names
 from flexflow_keras.runtime.variables import gather, to_layout
 
@@ -135,12 +136,13 @@ class Updater:
         """Our slots -> the Keras optimizer's (built here if need be)."""
         if not self.optimizer.built:
             self.optimizer.build(self._model_variables)
-        for key, slots in self._slots.items():
-            var = self._keras_of[key]
-            for name, slot in slots.items():
-                self._keras_slot(name, var).assign(
-                    gather(slot.read_value())
-                )
+        with user_random.copying_in():
+            for key, slots in self._slots.items():
+                var = self._keras_of[key]
+                for name, slot in slots.items():
+                    self._keras_slot(name, var).assign(
+                        gather(slot.read_value())
+                    )
 
     def apply(self, grads: list, dvars: list, lr: Any, step: Any) -> None:
         """Updates `dvars` with `grads`; lr and step are scalar DTensors.

@@ -150,6 +150,8 @@ class Executor:
         self.single_device = single_device(strategy, device_names)
         self.updater = None
         self.dirty = False  # DVariables newer than the Keras variables
+        # Whether a test or predict forward writes state (seeds).
+        self._inference_writes = False
         # Keras values and DVariables last made equal (made from the
         # Keras values, or copied)
         self._last_copy = fresh_state.LastCopy()
@@ -242,7 +244,8 @@ class Executor:
         """DVariables -> Keras values, if training changed them."""
         if self.dirty:
             self.store.pull()
-            self.updater.pull()  # may build the Keras optimizer's slots
+            if self.updater is not None:  # None before a train step
+                self.updater.pull()  # may build the Keras optimizer's slots
             self.dirty = False
             self._last_copy.mark()
             self._watch()
@@ -311,11 +314,10 @@ class Executor:
                     out = layer(*args, **kwargs)
             if scope.losses:
                 raise OwnStepNeeded(f"layer '{layer.name}' calls add_loss()")
-            if training:
-                for v in non_trainable:
-                    new = scope.get_current_value(v)
-                    if new is not None:
-                        updates.append((v, new))
+            for v in non_trainable:
+                new = scope.get_current_value(v)
+                if new is not None:
+                    updates.append((v, new))
             for i, (name, value) in enumerate(
                 zip(op.outputs, tree.flatten(out))
             ):
@@ -395,7 +397,14 @@ class Executor:
         @step_function
         def forward(inputs):
             values = dict(zip(seg.inputs, inputs))
-            self._run_segment(seg, values, training, sharded)
+            updates = self._run_segment(seg, values, training, sharded)
+            if not training and updates:
+                # Inference writes state as in Keras's own test and
+                # predict steps: Keras's recurrent layers draw their
+                # dropout masks at every call, advancing their seeds
+                # (training's writes come with its backward).
+                self._assign(updates)
+                self._inference_writes = True
             # As laid out: a later segment takes its regions of them
             # (`moves.move_all`).
             outputs = [values[t] for t in self._segment_outputs(index, values)]
@@ -627,6 +636,8 @@ class Executor:
         flat_x = self._flat_inputs(x)
         variant = self._variant(int(flat_x[0].shape[0]))
         values, _ = self._forward_all(flat_x, False, variant)
+        if self._inference_writes:
+            self.dirty = True  # copied out at the next read, as training
         return values
 
     def predict_batch(self, x) -> Any:

@@ -17,6 +17,7 @@ from tensorflow.experimental import dtensor
 from tensorflow.python.eager import context
 from tensorflow.python.ops import gen_resource_variable_ops
 
+from flexflow_keras import user_random
 from flexflow_keras.runtime import fresh_state, moves
 from flexflow_keras.runtime.moves import replicate  # noqa: F401 (re-export)
 from flexflow_keras.runtime.layouts import OpPlan, replicated
@@ -172,13 +173,13 @@ class Transfers:
         if pairs and self._local:
             values = read_components([(dvar, layout)
                                       for _, dvar, layout in pairs])
-            with fresh_state.quiet():
+            with fresh_state.quiet(), user_random.copying_in():
                 for (var, _, _), value in zip(pairs, values):
                     var.assign(value)
             return
         if pairs:
             read_all = self._compiled("out", pairs, _read_all)
-            with fresh_state.quiet():
+            with fresh_state.quiet(), user_random.copying_in():
                 for (var, _, _), value in zip(pairs, read_all()):
                     var.assign(dtensor.unpack(value)[0])
 
