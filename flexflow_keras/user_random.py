@@ -57,11 +57,32 @@ def kept(model: Any = None) -> Iterator[None]:
     finally:
         _restore(saved)
         for variable, value in states:
-            if not np.array_equal(variable.numpy(), value):
-                variable.assign(value)
+            _put_back(variable, value)
 
 
 _COPYING = [0]
+_PUTTING_BACK = [0]
+
+
+def _put_back(variable: Any, value: Any) -> None:
+    """`variable` back to `value`, a write no enclosing `kept()` block
+    counts as its own (it would put the value from before back).
+
+    Why: planning runs inside two blocks (fit's, then the model's). A
+    layer measured at a new batch size reruns the step function traced
+    for the first, writing its seeds without a Python `assign` the inner
+    block could see; the inner block put the seeds back from its copy of
+    the model's state, and the outer block, taking that for a write of
+    its own, put the advanced seeds back again (an LSTM with dropout
+    trained at batch 16, then 32: its masks drew 96 seeds past plain
+    Keras's)."""
+    if np.array_equal(variable.numpy(), value):
+        return
+    _PUTTING_BACK[0] += 1
+    try:
+        variable.assign(value)
+    finally:
+        _PUTTING_BACK[0] -= 1
 
 
 @contextlib.contextmanager
@@ -101,6 +122,8 @@ def _writes_undone() -> Iterator[None]:
     assign = KerasVariable.assign
 
     def noted(variable: Any, value: Any) -> Any:
+        if _PUTTING_BACK[0]:
+            return assign(variable, value)
         if _COPYING[0]:
             # The runtime's values brought in: what is put back.
             result = assign(variable, value)
@@ -126,8 +149,7 @@ def _writes_undone() -> Iterator[None]:
     finally:
         KerasVariable.assign = assign
         for variable, value in before.values():
-            if not np.array_equal(variable.numpy(), value):
-                variable.assign(value)
+            _put_back(variable, value)
 
 
 def _keras_generator() -> Any:
