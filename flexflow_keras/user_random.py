@@ -203,7 +203,7 @@ def _restore(saved: dict[str, Any]) -> None:
         seed_generator.GLOBAL_SEED_GENERATOR, keras_generator
     )
     if keras_generator is not None:
-        keras_generator.state.assign(state)
+        _put_back(keras_generator.state, state)
     tf_generator, state = saved["tf_generator"]
     if tf_generator is None:
         stateful_random_ops.global_generator = None
