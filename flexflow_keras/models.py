@@ -144,18 +144,18 @@ class _PlanningModel(StrategyTrainer):
 
     def evaluate(self, x: Any = None, *args: Any, **kwargs: Any) -> Any:
         """`keras.Model.evaluate`, planned again first where `x` comes
-        in another length (`_planned_again_for_lengths`); not inside a
+        in another length (`_planned_again_for_data`); not inside a
         fit, whose validation runs under the fit's plan."""
         with own_loops.entered():
             if not kwargs.get("_use_cached_eval_dataset"):
-                self._planned_again_for_lengths(x)
+                x = self._planned_again_for_data(x)
             return super().evaluate(x, *args, **kwargs)
 
     def predict(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         """`keras.Model.predict`, planned again first where `x` comes in
-        another length (`_planned_again_for_lengths`)."""
+        another length (`_planned_again_for_data`)."""
         with own_loops.entered():
-            self._planned_again_for_lengths(x)
+            x = self._planned_again_for_data(x)
             return super().predict(x, *args, **kwargs)
 
     def train_on_batch(self, x: Any = None, *args: Any,
@@ -271,6 +271,43 @@ class _PlanningModel(StrategyTrainer):
                     tuple(np.shape(leaf))[1:]
                     for leaf in keras.tree.flatten(found.inputs)]
 
+    def _planned_for_lengths(self) -> bool:
+        """Whether the model runs under a plan made for the lengths of
+        the data it was traced on (its `keras.Input` leaves them
+        unknown)."""
+        state = state_of(self)
+        return not (state.traced_lengths is None or state.plan is None
+                    or state.settings is None or state.traced_whole)
+
+    def _planned_again_for_data(self, x: Any) -> Any:
+        """`_planned_again_for_lengths` for the `x` that evaluate or
+        predict was given, which it returns as it will be read: arrays
+        and tensors as they are, a dataset by its element spec, a
+        generator or `PyDataset` by its first two batches, read as fit()
+        reads its data (`_peek_batch`: a generator's put back in front).
+
+        Why the last two: a plan that split the traced length or ran
+        over several meshes raised DTensor's "requires dimension 1 to be
+        divisible by sharding" when predict was fed a `PyDataset` of
+        another length (7 under a length split over 2 devices).
+        """
+        import tensorflow as tf
+
+        if not self._planned_for_lengths():
+            return x
+        inputs = x
+        if isinstance(x, tf.data.Dataset):
+            spec = x.element_spec
+            inputs = spec[0] if isinstance(spec, tuple) else spec
+        elif isinstance(x, keras.utils.PyDataset) or hasattr(x, "__next__"):
+            try:
+                found, x = _peek_batch(x, None, lengths=True)
+            except StopIteration:  # an empty generator: Keras's to judge
+                return x
+            inputs = found.inputs
+        self._planned_again_for_lengths(inputs)
+        return x
+
     def _planned_again_for_lengths(self, inputs: Any) -> None:
         """Plans the model again, with the lengths in which `inputs`
         (arrays or tensors fed to fit, evaluate or predict, or a batch's
@@ -291,8 +328,7 @@ class _PlanningModel(StrategyTrainer):
         from flexflow_keras import runtime
 
         state = state_of(self)
-        if (state.traced_lengths is None or state.plan is None
-                or state.settings is None or state.traced_whole):
+        if not self._planned_for_lengths():
             return
         try:
             leaves = keras.tree.flatten(inputs)

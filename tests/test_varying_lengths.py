@@ -303,12 +303,14 @@ class VaryingLengthsTest(unittest.TestCase):
           ("TransposeOp SPMD needs communication"): the model went to
           plain Keras for good;
         - a Dense split over the length on 2 devices, the rest data
-          parallel (several meshes): predict raised DTensor's "requires
-          dimension 1 to be divisible by sharding" from the script.
+          parallel (several meshes): predict, on arrays or a `PyDataset`
+          of length 7, raised DTensor's "requires dimension 1 to be
+          divisible by sharding" from the script.
 
-        Now a call's input keeps the plan's layout where that splits
-        none of the dims that differ, and predict, evaluate and fit on
-        another length plan the model again with that length varying.
+        Now predict, evaluate and fit on another length (arrays, or a
+        generator or `PyDataset` read ahead for it) plan the model again
+        with that length varying, and a call's input keeps the plan's
+        layout where that splits none of the dims that differ.
         """
         rng = np.random.default_rng(2)
         tokens = {length: rng.integers(1, 30, (32, length)).astype("int32")
@@ -320,23 +322,23 @@ class VaryingLengthsTest(unittest.TestCase):
                 "[gru] num_dims(2) dims[4,1] device_ids[0,1,2,3]\n"
                 "[drop] num_dims(2) dims[4,1] device_ids[0,1,2,3]\n"
                 "[out] num_dims(2) dims[4,1] device_ids[0,1,2,3]\n")),
-            "length split": (build_token_dense, 10, (
+            "length split": (build_token_dense, 7, (
                 "[embed] num_dims(3) dims[2,1,1] device_ids[0,1]\n"
                 "[proj] num_dims(3) dims[1,2,1] device_ids[0,1]\n")),
         }
         folder = tempfile.mkdtemp()
-        for name, (build, unread_length, text) in strategies.items():
+        for name, (build, other_length, text) in strategies.items():
             def run(model):
                 first = model.fit(tokens[10], labels, batch_size=16,
                                   epochs=2, validation_data=(tokens[10],
                                                              labels),
                                   verbose=0).history
-                # predict() does not read a PyDataset ahead for its
-                # lengths: they run under the plan for 10.
-                unread = OwnLengthBatches(
-                    [(tokens[unread_length][:16], labels[:16]),
-                     (tokens[unread_length][16:], labels[16:])])
-                seen = [model.predict(unread, verbose=0),
+                # predict() reads a PyDataset ahead for its lengths, as
+                # fit() does: planned again here.
+                other = OwnLengthBatches(
+                    [(tokens[other_length][:16], labels[:16]),
+                     (tokens[other_length][16:], labels[16:])])
+                seen = [model.predict(other, verbose=0),
                         model.predict(tokens[20], verbose=0),
                         model.predict(tokens[7][:5], verbose=0),
                         model.evaluate(tokens[20], labels, verbose=0)]
@@ -357,7 +359,8 @@ class VaryingLengthsTest(unittest.TestCase):
                     [m for m in said if "plain Keras" in m], [], said)
                 again = [m for m in said if "is planned again" in m]
                 self.assertEqual(len(again), 1, said)
-                self.assertIn("received shape (32, 20)", again[0])
+                self.assertIn(f"received shape (16, {other_length})",
+                              again[0])
                 for key in sorted(expected[0]):
                     np.testing.assert_allclose(got[0][key], expected[0][key],
                                                rtol=1e-5, err_msg=key)
