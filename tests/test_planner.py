@@ -81,7 +81,7 @@ class MakePlanTest(unittest.TestCase):
                                 machine="v100x4"),
             verbose=0,
         )
-        self.assertTrue(is_one_mesh(plan.strategy))
+        self.assertTrue(is_one_mesh(plan.strategy, 4))  # v100x4
         self.assertEqual(plan.strategy["shared"], plan.strategy["shared#1"])
 
     def test_slots_override_prices_optimizer_memory(self):

@@ -188,6 +188,40 @@ class SearchTest(unittest.TestCase):
             self.assertGreater(len(used), 1, budget)
             self.assertEqual(result.one_device_ms, 0.001)
 
+    def test_never_trains_on_one_device_in_effect(self):
+        # Nor on one device but for a small op elsewhere: with the whole
+        # forbidden, a search where one device is fastest put every op
+        # of keras.io's IMDB LSTM on device 0 but its last Dense.
+        def shares(strategy):
+            work = {}
+            for op in self.graph:
+                config = strategy[op.name]
+                for d in config.device_ids:
+                    work[d] = work.get(d, 0.0) + (
+                        op.forward_flops + op.backward_flops
+                    ) / config.num_parts
+            return max(work.values()) / sum(work.values())
+
+        class NearlyOneDeviceFastest(FakeSimulator):
+            def cost(inner, strategy):
+                if shares(strategy) >= 0.9:
+                    return FakeResult(0.001)
+                return super().cost(strategy)
+
+        smallest = min(self.graph, key=lambda op: op.forward_flops)
+        nearly = Strategy({
+            op.name: ParallelConfig((1,) * op.rank,
+                                    (3,) if op is smallest else (2,))
+            for op in self.graph})
+        self.assertGreaterEqual(shares(nearly), 0.9)
+        for budget in (0, 300):
+            result = self.run_search(
+                budget=budget,
+                simulator=NearlyOneDeviceFastest(self.graph),
+                candidates=(nearly,),
+            )
+            self.assertLess(shares(result.strategy), 0.9, budget)
+
     def test_same_seed_same_result(self):
         a, b = self.run_search(seed=3), self.run_search(seed=3)
         self.assertEqual(a.strategy, b.strategy)
