@@ -281,31 +281,20 @@ class _PlanningModel(StrategyTrainer):
 
     def _planned_again_for_data(self, x: Any) -> Any:
         """`_planned_again_for_lengths` for the `x` that evaluate or
-        predict was given, which it returns as it will be read: arrays
-        and tensors as they are, a dataset by its element spec, a
-        generator or `PyDataset` by its first two batches, read as fit()
-        reads its data (`_peek_batch`: a generator's put back in front).
+        predict was given, which it returns as it will be read
+        (`_inputs_read_ahead`: a generator or `PyDataset` by its first
+        two batches, as fit() reads its data).
 
-        Why the last two: a plan that split the traced length or ran
-        over several meshes raised DTensor's "requires dimension 1 to be
+        Why those two: a plan that split the traced length or ran over
+        several meshes raised DTensor's "requires dimension 1 to be
         divisible by sharding" when predict was fed a `PyDataset` of
         another length (7 under a length split over 2 devices).
         """
-        import tensorflow as tf
-
         if not self._planned_for_lengths():
             return x
-        inputs = x
-        if isinstance(x, tf.data.Dataset):
-            spec = x.element_spec
-            inputs = spec[0] if isinstance(spec, tuple) else spec
-        elif isinstance(x, keras.utils.PyDataset) or hasattr(x, "__next__"):
-            try:
-                found, x = _peek_batch(x, None, lengths=True)
-            except StopIteration:  # an empty generator: Keras's to judge
-                return x
-            inputs = found.inputs
-        self._planned_again_for_lengths(inputs)
+        inputs, x = _inputs_read_ahead(x)
+        if inputs is not None:
+            self._planned_again_for_lengths(inputs)
         return x
 
     def _planned_again_for_lengths(self, inputs: Any) -> None:
@@ -796,6 +785,27 @@ def _lengths_that_vary(first: Any, other: Any) -> Any:
         return first
 
 
+def _inputs_read_ahead(data: Any) -> tuple[Any, Any]:
+    """The inputs of `data` (what evaluate or predict takes as `x`) as
+    far as their lengths go, and `data` as it will be read: arrays and
+    tensors as they are, a dataset's element spec, a generator's or
+    `PyDataset`'s first two batches read as fit() reads its own
+    (`_peek_batch`: a generator's put back in front, so nothing is
+    lost); None for the first when there are none to read."""
+    import tensorflow as tf
+
+    if isinstance(data, tf.data.Dataset):
+        spec = data.element_spec
+        return (spec[0] if isinstance(spec, tuple) else spec), data
+    if isinstance(data, keras.utils.PyDataset) or hasattr(data, "__next__"):
+        try:
+            found, data = _peek_batch(data, None, lengths=True)
+        except StopIteration:  # an empty generator: Keras's to judge
+            return None, data
+        return found.inputs, data
+    return data, data
+
+
 def _with_validation_lengths(found: _Peeked, args: tuple, kwargs: dict,
                              read: bool = False
                              ) -> tuple[_Peeked, tuple, dict]:
@@ -805,13 +815,12 @@ def _with_validation_lengths(found: _Peeked, args: tuple, kwargs: dict,
 
     Arrays and tensors are compared as they are, a dataset by its element
     spec, and where `read` (the model is traced on its data's shapes) a
-    generator or `PyDataset` by its first two batches, as fit() reads its
-    training data (`_peek_batch`: the generator's put back in front, so
-    nothing is lost). Why: the validation inside a fit runs
-    under the fit's plan. Planned for the training length alone, a plan
-    that split that length or spanned several meshes raised DTensor's
-    error at the first validation step of another length ("requires
-    dimension 1 to be divisible by sharding").
+    generator or `PyDataset` by its first two batches
+    (`_inputs_read_ahead`). Why: the validation inside a fit runs under
+    the fit's plan. Planned for the training length alone, a plan that
+    split that length or spanned several meshes raised DTensor's error
+    at the first validation step of another length ("requires dimension
+    1 to be divisible by sharding").
     """
     import tensorflow as tf
 
@@ -820,28 +829,21 @@ def _with_validation_lengths(found: _Peeked, args: tuple, kwargs: dict,
     data = args[at] if positional else kwargs.get("validation_data")
     if data is None or found.inputs is None:
         return found, args, kwargs
-    if isinstance(data, tf.data.Dataset):
-        spec = data.element_spec
-        batches = [spec[0] if isinstance(spec, tuple) else spec]
-    elif isinstance(data, (tuple, list)) and data:
-        batches = [data[0]]
-    elif read and (isinstance(data, keras.utils.PyDataset)
-                  or hasattr(data, "__next__")):
-        try:
-            peeked, data = _peek_batch(data, None, lengths=True)
-        except StopIteration:  # an empty generator: Keras's to judge
-            return found, args, kwargs
-        batches = [peeked.inputs]
+    if isinstance(data, (tuple, list)) and data:
+        inputs = data[0]
+    elif isinstance(data, tf.data.Dataset) or read:
+        inputs, data = _inputs_read_ahead(data)
         if positional:
             args = args[:at] + (data,) + args[at + 1:]
         else:
             kwargs = dict(kwargs, validation_data=data)
     else:
         return found, args, kwargs
-    inputs = found.inputs
-    for batch in batches:
-        inputs = _lengths_that_vary(inputs, batch)
-    return _Peeked(found.batch_size, inputs), args, kwargs
+    if inputs is None:
+        return found, args, kwargs
+    return (_Peeked(found.batch_size, _lengths_that_vary(found.inputs,
+                                                          inputs)),
+            args, kwargs)
 
 
 def _spec_like(value: Any, dims: tuple) -> Any:
