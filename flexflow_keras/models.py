@@ -22,7 +22,7 @@ from keras.src.models.model import Trainer as KerasTrainer
 from keras.src.models.model import functional_init_arguments
 from keras.src.saving import serialization_lib
 
-from flexflow_keras import notices, own_loops
+from flexflow_keras import notices, own_loops, tf_distribute
 from flexflow_keras import settings as settings_lib
 from flexflow_keras import user_random
 from flexflow_keras.keras_graph import (
@@ -72,7 +72,7 @@ class _PlanningModel(StrategyTrainer):
             if batch_size is None:
                 batch_size = self._static_batch_size()
             if batch_size is not None:
-                with user_random.kept():
+                with user_random.kept(), tf_distribute.taken_over(self):
                     self._ensure_plan(int(batch_size))
 
     def quantize(self, mode: Any = None, *args: Any, **kwargs: Any) -> None:
@@ -125,7 +125,7 @@ class _PlanningModel(StrategyTrainer):
         self, x: Any = None, y: Any = None, batch_size: Any = None,
         *args: Any, **kwargs: Any,
     ) -> Any:
-        with own_loops.entered():
+        with own_loops.entered(), tf_distribute.taken_over(self):
             state = state_of(self)
             if state.settings is not None:
                 found, x = _peek_batch(x, batch_size,
@@ -146,7 +146,7 @@ class _PlanningModel(StrategyTrainer):
         """`keras.Model.evaluate`, planned again first where `x` comes
         in another length (`_planned_again_for_data`); not inside a
         fit, whose validation runs under the fit's plan."""
-        with own_loops.entered():
+        with own_loops.entered(), tf_distribute.taken_over(self):
             if not kwargs.get("_use_cached_eval_dataset"):
                 x = self._planned_again_for_data(x)
             return super().evaluate(x, *args, **kwargs)
@@ -154,7 +154,7 @@ class _PlanningModel(StrategyTrainer):
     def predict(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         """`keras.Model.predict`, planned again first where `x` comes in
         another length (`_planned_again_for_data`)."""
-        with own_loops.entered():
+        with own_loops.entered(), tf_distribute.taken_over(self):
             x = self._planned_again_for_data(x)
             return super().predict(x, *args, **kwargs)
 
@@ -169,7 +169,7 @@ class _PlanningModel(StrategyTrainer):
         under that plan, as fit()'s last partial batch does.
         """
         state = state_of(self)
-        with own_loops.entered():
+        with own_loops.entered(), tf_distribute.taken_over(self):
             self._planned_again_for_lengths(x)
             if (state.settings is not None and state.plan is None
                     and not state.warned_plain and x is not None):
@@ -180,14 +180,14 @@ class _PlanningModel(StrategyTrainer):
                       **kwargs: Any) -> Any:
         """`keras.Model.test_on_batch`, planned again first where `x`
         comes in another length (`_planned_again_for_lengths`)."""
-        with own_loops.entered():
+        with own_loops.entered(), tf_distribute.taken_over(self):
             self._planned_again_for_lengths(x)
             return super().test_on_batch(x, *args, **kwargs)
 
     def predict_on_batch(self, x: Any) -> Any:
         """`keras.Model.predict_on_batch`, planned again first where `x`
         comes in another length (`_planned_again_for_lengths`)."""
-        with own_loops.entered():
+        with own_loops.entered(), tf_distribute.taken_over(self):
             self._planned_again_for_lengths(x)
             return super().predict_on_batch(x)
 
@@ -421,12 +421,6 @@ class _PlanningModel(StrategyTrainer):
             state.plan = plan
 
 
-def _tf_distribute_strategy(model: Any) -> Any:
-    """The `tf.distribute` strategy `model` was built under (Keras keeps
-    it and runs every step through it), or None."""
-    return getattr(model, "_distribute_strategy", None)
-
-
 def _why_plain_keras(model: Any) -> str | None:
     """Why `model` must train as plain Keras (one device), or None."""
     from flexflow_keras.keras_graph import has_graph
@@ -434,17 +428,9 @@ def _why_plain_keras(model: Any) -> str | None:
     state = state_of(model)
     if state.runtime_failure is not None:
         return state.runtime_failure
-    strategy = _tf_distribute_strategy(model)
-    if strategy is not None:
-        return (
-            f"Model '{model.name}' trains as plain Keras under the script's "
-            f"tf.distribute.{type(strategy).__name__}: it was built inside "
-            "that strategy's scope, which hands the devices to TensorFlow's "
-            "own replicas (mirrored variables, batches split by "
-            "TensorFlow). Build, compile and fit the model outside "
-            "`strategy.scope()` to train under a searched strategy: "
-            "flexflow_keras places it on the devices itself."
-        )
+    scoped = tf_distribute.plain_reason(model)
+    if scoped is not None:
+        return scoped
     if getattr(model, "run_eagerly", False):
         return (
             f"Model '{model.name}' trains as plain Keras on one device: it "

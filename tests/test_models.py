@@ -699,54 +699,6 @@ class SilencedWarningsTest(unittest.TestCase):
         self.assertNotIn("trains as plain Keras", err.getvalue())
 
 
-class TfDistributeScopeTest(unittest.TestCase):
-    """keras.io's "Multi-GPU distributed training with TensorFlow" builds,
-    compiles and fits its model inside `tf.distribute.MirroredStrategy().
-    scope()`: Keras then runs every step through that strategy, whose
-    replicas and mirrored variables hold the devices. fit() crashed
-    ("Inputs to a layer should be tensors. Got 'PerReplica'"); now such a
-    model trains as plain Keras under the script's strategy, said once
-    with the way out, equal to plain Keras; outside the scope the same
-    script trains under its searched strategy."""
-
-    def test_model_built_in_scope_trains_under_it_said_once(self):
-        import tensorflow as tf
-
-        rng = np.random.default_rng(0)
-        x = rng.random((64, 8), dtype=np.float32)
-        y = rng.integers(0, 3, 64)
-
-        def run(mod, scoped):
-            keras.utils.set_random_seed(5)
-            scope = (tf.distribute.MirroredStrategy().scope() if scoped
-                     else contextlib.nullcontext())
-            with scope:
-                inputs = mod.Input((8,))
-                hidden = mod.layers.Dense(16, activation="relu")(inputs)
-                model = mod.Model(inputs, mod.layers.Dense(3)(hidden))
-                model.compile("adam", keras.losses.
-                              SparseCategoricalCrossentropy(from_logits=True))
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                history = model.fit(x, y, batch_size=16, epochs=2,
-                                    verbose=0).history
-            said = [str(w.message) for w in caught
-                    if "plain Keras" in str(w.message)]
-            return model, history, said
-
-        _, expected, _ = run(keras, True)
-        ours, history, said = run(flexflow_keras, True)
-        self.assertEqual(len(said), 1, said)
-        self.assertIn("tf.distribute.MirroredStrategy", said[0])
-        self.assertIn("outside `strategy.scope()`", said[0])
-        self.assertIsNone(ours.strategy_executor)
-        np.testing.assert_allclose(history["loss"], expected["loss"],
-                                   rtol=1e-5)
-        ours, _, said = run(flexflow_keras, False)
-        self.assertEqual(said, [])
-        self.assertIsNotNone(ours.strategy_executor)
-
-
 class ModelClassTest(unittest.TestCase):
     def test_functional_subclass_leaves_model_class_intact(self):
         class Wrapped(Model):
