@@ -589,6 +589,9 @@ def _peek_batch(
         first = next(x)
         second = next(x, None) if lengths else None
         x = _prepend([first] if second is None else [first, second], x)
+    elif _is_torch_loader(x):
+        read = _torch_batches(x, 2 if lengths else 1)
+        first, second = read[0], (read[1] if len(read) > 1 else None)
     if first is not None:
         inputs = first[0] if isinstance(first, tuple) else first
         if second is not None:
@@ -597,6 +600,42 @@ def _peek_batch(
         return _Peeked(_leading_dim(inputs), inputs), x
     size = _KERAS_DEFAULT_BATCH_SIZE if batch_size is None else batch_size
     return _Peeked(int(size), x), x
+
+
+def _is_torch_loader(x: Any) -> bool:
+    """Whether `x` is a PyTorch `DataLoader`, by Keras's own rule (its
+    class or a parent named so in `torch.utils.data`)."""
+    from keras.src.trainers.data_adapters import is_torch_dataloader
+
+    return is_torch_dataloader(x)
+
+
+def _torch_batches(loader: Any, count: int) -> list[tuple]:
+    """The first `count` batches of a PyTorch `DataLoader` (at least
+    one), as Keras's adapter reads them: a tuple of NumPy arrays.
+
+    Why: Keras 3 fits on a `DataLoader` on every backend (keras.io's
+    "Introduction to Keras for engineers" and "Training & evaluation
+    with the built-in methods" do). Read as an opaque object it gave no
+    batch size, so the model was planned for Keras's default 32 (the
+    loader's batches being 128) and a `DataLoader` as validation data
+    crashed fit() ("tuple index out of range"). The batches are read
+    from an iterator of their own with the script's random streams put
+    back (`user_random.kept`, torch's among them): a loader that
+    shuffles draws its order from torch's generator when iterated, and
+    fit's own epochs must draw what plain Keras's draw.
+    """
+    import itertools
+
+    with user_random.kept():
+        batches = list(itertools.islice(iter(loader), count))
+    if not batches:
+        raise ValueError(
+            f"Expected a `DataLoader` that yields batches; received "
+            f"{loader!r}, which yields none (its dataset is empty).")
+    return [tuple(keras.tree.map_structure(
+        lambda t: np.asarray(t.cpu()) if hasattr(t, "cpu") else t, batch,
+        none_is_leaf=False)) for batch in batches]
 
 
 def _leading_dim(x: Any) -> int:
@@ -783,7 +822,8 @@ def _inputs_read_ahead(data: Any) -> tuple[Any, Any]:
     if isinstance(data, tf.data.Dataset):
         spec = data.element_spec
         return (spec[0] if isinstance(spec, tuple) else spec), data
-    if isinstance(data, keras.utils.PyDataset) or hasattr(data, "__next__"):
+    if (isinstance(data, keras.utils.PyDataset) or hasattr(data, "__next__")
+            or _is_torch_loader(data)):
         try:
             found, data = _peek_batch(data, None, lengths=True)
         except StopIteration:  # an empty generator: Keras's to judge

@@ -15,8 +15,9 @@ against plain Keras's 0.3487.
 is done: Python's `random` (Keras's default seeds come from it), NumPy's
 global state, TensorFlow's eager op-seed generator (`tf.random.*`
 without a seed, once a global seed is set), its global `Generator` if
-one exists, and Keras's global `SeedGenerator` (`keras.random.*`
-without a seed), and given a model, its non-trainable variables (its
+one exists, Keras's global `SeedGenerator` (`keras.random.*` without
+a seed), PyTorch's CPU generator where the script imported torch (a
+`DataLoader` that shuffles draws its order from it), and given a model, its non-trainable variables (its
 layers' seed states: measuring a random layer's cost draws from them).
 Keras's own compile and fit are not wrapped: they draw what they draw on
 plain Keras too.
@@ -24,6 +25,7 @@ plain Keras too.
 
 import contextlib
 import random
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -182,7 +184,15 @@ def _save() -> dict[str, Any]:
         "tf_generator": (tf_generator,
                          None if tf_generator is None
                          else tf_generator.state.numpy()),
+        "torch": _torch_state(),
     }
+
+
+def _torch_state() -> Any:
+    """PyTorch's CPU generator state, where the script imported torch
+    (never imported here); else None."""
+    torch = sys.modules.get("torch")
+    return None if torch is None else torch.random.get_rng_state()
 
 
 def _restore(saved: dict[str, Any]) -> None:
@@ -209,3 +219,5 @@ def _restore(saved: dict[str, Any]) -> None:
         stateful_random_ops.global_generator = None
     elif stateful_random_ops.global_generator is tf_generator:
         tf_generator.state.assign(state)
+    if saved["torch"] is not None:
+        sys.modules["torch"].random.set_rng_state(saved["torch"])
