@@ -22,8 +22,9 @@ import unittest
 import keras
 import numpy as np
 
-from flexflow_keras.runtime import step
-from runtime_support import several_meshes
+from flexflow_keras.runtime import model_step, step
+from flexflow_keras.strategy import ParallelConfig, Strategy
+from runtime_support import float64, several_meshes
 from test_random_draws import BATCH, EPOCHS, RTOL, fit_both
 
 SAMPLES = 64
@@ -101,3 +102,52 @@ class ProbabilityOutputsTest(unittest.TestCase):
 
     def test_softmax_beside_a_linear_output(self):
         self.check(build_two_heads)
+
+
+def build_softmax_dropout(mod):
+    """Six classes (a degree of 2 divides them), after Dropout."""
+    inputs = mod.Input((12,), name="x")
+    h = mod.layers.Dense(16, activation="relu", name="d1")(inputs)
+    h = mod.layers.Dropout(0.25, seed=4, name="drop")(h)
+    outputs = mod.layers.Dense(6, activation="softmax", name="probs",
+                               **SATURATING)(h)
+    model = mod.Model(inputs, outputs)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(SAMPLES, 12)).astype("float32")
+    return model, (x, rng.integers(0, 6, SAMPLES))
+
+
+def classes_split(graph) -> Strategy:
+    """One mesh over devices (0, 1): every op splits the batch but the
+    last, which splits its classes (the softmax's logits arrive split on
+    the dim the crossentropy reduces)."""
+    configs = {}
+    ops = list(graph)
+    for op in ops:
+        dims = (2,) + (1,) * (max(op.rank, 1) - 1)
+        if op is ops[-1]:
+            dims = (1,) * (op.rank - 1) + (2,)
+        configs[op.name] = ParallelConfig(dims, (0, 1))
+    return Strategy(configs)
+
+
+class ClassesSplitTest(unittest.TestCase):
+    """A softmax output split on its classes, in float64.
+
+    The model's step reads the logits Keras keeps beside a softmax
+    output. They were left in the op's layout, split on the class dim,
+    while the output itself reached the loss whole on that dim; there
+    DTensor's SparseSoftmaxCrossEntropyWithLogits gives wrong values in
+    float64 and bfloat16 with no error (right in float32): the reported
+    loss was 0 or NaN, and with Dropout the weights went elsewhere. Now
+    the logits take the output's layout."""
+
+    def test_softmax_split_on_its_classes_in_float64(self):
+        with float64():
+            ours = fit_both(self, build_softmax_dropout, classes_split)
+        self.assertIsInstance(ours.strategy_executor,
+                              model_step.ModelStepExecutor)
+        last = ours.strategy[list(ours.strategy)[-1]]
+        self.assertEqual(last.dims[-1], 2)

@@ -941,7 +941,16 @@ def relaid_like_keras(value: Any, layout: Any) -> Any:
     relaid = dtensor.relayout(value, layout)
     logits = keras_logits(value)
     if logits is not None:
-        relaid._keras_logits = logits
+        # The logits in the same layout: the model's outputs reach the
+        # step's own code with their class dim whole (`_batch_only`),
+        # and so must the logits its crossentropy reads instead. Split
+        # on that dim, DTensor's SparseSoftmaxCrossEntropyWithLogits
+        # gives wrong values in float64 and bfloat16, with no error
+        # (measured: a loss of 0 or NaN where Keras's was 2.37).
+        relaid._keras_logits = (
+            dtensor.relayout(logits, layout)
+            if _is_traced_tensor(logits) and logits.shape.rank
+            == layout.rank else logits)
     mask = get_keras_mask(value)
     if mask is not None:
         set_keras_mask(relaid, mask)
