@@ -198,6 +198,8 @@ class _PlanningModel(StrategyTrainer):
         if (not self.built and found.input_shape is not None
                 and not is_subclassed(self)):
             self.build(found.input_shape)  # as Keras's fit would
+        elif is_subclassed(self) and found.inputs is not None:
+            _built_as_keras_fit_builds(self, found.inputs)
         with user_random.kept():
             if needs_trace(self) and state.trace_failure is None:
                 self._trace(found)
@@ -548,6 +550,44 @@ class _Peeked:
             return {key: named(key, value)
                     for key, value in self.inputs.items()}
         return keras.tree.map_structure(symbolic, self.inputs)
+
+
+def _built_as_keras_fit_builds(model: Any, inputs: Any) -> None:
+    """Builds the layers of a subclassed `model` not yet built as Keras's
+    fit() does at its start (`Trainer._symbolic_build`: the model called
+    on symbolic tensors shaped like the first batch), outside the
+    package's `user_random.kept()` blocks.
+
+    Why: a layer that makes its initializer as it builds (a custom
+    layer's `add_weight(initializer="random_normal")`, keras.io's
+    `MyDense`) draws that initializer's seed from Python's `random`
+    then. Built inside planning's block, which puts the script's
+    streams back, the draw was undone: the weights were plain Keras's,
+    but every later draw of the script repeated it (keras.io's
+    "Introduction to Keras for engineers": the next model built
+    started from other weights, a first loss of 2.3504 against
+    2.3092). A call that fails here fails in Keras's own build too,
+    which says why.
+    """
+    if all(layer.built for layer in model._flatten_layers()):
+        return
+
+    def symbolic(value):
+        if value is None:
+            return None
+        if not hasattr(value, "dtype"):
+            value = np.asarray(value)
+        return keras.KerasTensor(tuple(value.shape),
+                                 keras.backend.standardize_dtype(value.dtype))
+
+    from keras.src import backend
+
+    try:
+        backend.compute_output_spec(
+            model, keras.tree.map_structure(symbolic, inputs),
+            training=False)
+    except Exception:  # Keras's fit builds it again, and says why
+        return
 
 
 def _peek_batch(

@@ -38,15 +38,44 @@ def _next_draws() -> dict:
     }
 
 
-def _train(mod, own_step=False, strategy_path=None):
+def _subclassed(mod):
+    """A subclassed model, built by fit(), whose custom layer makes its
+    initializer as it builds (its seed drawn from Python's `random`
+    then), with Dropout."""
+
+    class Scaled(mod.layers.Layer):
+        def build(self, input_shape):
+            self.w = self.add_weight(shape=(input_shape[-1], 8),
+                                     initializer="random_normal")
+
+        def call(self, x):
+            return mod.ops.matmul(x, self.w)
+
+    class Regressor(mod.Model):
+        def __init__(self):
+            super().__init__()
+            self.scaled = Scaled()
+            self.dropout = mod.layers.Dropout(0.2)
+            self.out = mod.layers.Dense(1)
+
+        def call(self, x, training=False):
+            return self.out(self.dropout(self.scaled(x), training=training))
+
+    return Regressor()
+
+
+def _train(mod, own_step=False, strategy_path=None, subclassed=False):
     keras.utils.set_random_seed(3)
     x = np.random.random((64, 8)).astype("float32")
     y = np.random.random((64, 1)).astype("float32")
-    inputs = mod.Input((8,))
-    h = mod.layers.Dense(
-        8, activity_regularizer="l2" if own_step else None
-    )(inputs)
-    model = mod.Model(inputs, mod.layers.Dense(1)(h))
+    if subclassed:
+        model = _subclassed(mod)
+    else:
+        inputs = mod.Input((8,))
+        h = mod.layers.Dense(
+            8, activity_regularizer="l2" if own_step else None
+        )(inputs)
+        model = mod.Model(inputs, mod.layers.Dense(1)(h))
     options = {}
     if strategy_path is not None and mod is fk:
         save_strategy(several_meshes(build_graph(model, 16)), strategy_path)
@@ -82,6 +111,13 @@ class UserRandomTest(unittest.TestCase):
 
     def test_own_step(self):
         self.check(own_step=True)
+
+    def test_subclassed_model_built_by_fit(self):
+        # Its layers are built as Keras's fit builds them, outside the
+        # package's blocks: the seed the custom layer's initializer drew
+        # stays drawn (before, the block put it back, and every later
+        # draw of the script repeated it).
+        self.check(subclassed=True)
 
     def test_several_meshes(self):
         with tempfile.TemporaryDirectory() as folder:
