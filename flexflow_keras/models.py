@@ -555,8 +555,9 @@ class _Peeked:
 def _built_as_keras_fit_builds(model: Any, inputs: Any) -> None:
     """Builds the layers of a subclassed `model` not yet built as Keras's
     fit() does at its start (`Trainer._symbolic_build`: the model called
-    on symbolic tensors shaped like the first batch), outside the
-    package's `user_random.kept()` blocks.
+    on symbolic tensors shaped like the first batch, here of any batch
+    size, as the trace calls it), outside the package's
+    `user_random.kept()` blocks.
 
     Why: a layer that makes its initializer as it builds (a custom
     layer's `add_weight(initializer="random_normal")`, keras.io's
@@ -569,15 +570,18 @@ def _built_as_keras_fit_builds(model: Any, inputs: Any) -> None:
     2.3092). A call that fails here fails in Keras's own build too,
     which says why.
     """
-    if all(layer.built for layer in model._flatten_layers()):
-        return
+    if type(model).call is keras.Model.call or all(
+            layer.built for layer in model._flatten_layers()):
+        return  # no call() of its own (a GAN's): Keras leaves it unbuilt
 
     def symbolic(value):
         if value is None:
             return None
         if not hasattr(value, "dtype"):
             value = np.asarray(value)
-        return keras.KerasTensor(tuple(value.shape),
+        # Any batch, as the trace then calls it: a layer that keeps the
+        # batch size it was built on would keep the first batch's.
+        return keras.KerasTensor((None,) + tuple(value.shape)[1:],
                                  keras.backend.standardize_dtype(value.dtype))
 
     from keras.src import backend
