@@ -21,6 +21,7 @@ from keras.src.models.functional import Functional as KerasFunctional
 from keras.src.models.model import Trainer as KerasTrainer
 from keras.src.models.model import functional_init_arguments
 from keras.src.saving import serialization_lib
+from keras.src.trainers.data_adapters import is_torch_dataloader
 
 from flexflow_keras import notices, own_loops, tf_distribute
 from flexflow_keras import settings as settings_lib
@@ -199,7 +200,7 @@ class _PlanningModel(StrategyTrainer):
                 and not is_subclassed(self)):
             self.build(found.input_shape)  # as Keras's fit would
         elif is_subclassed(self) and found.inputs is not None:
-            _built_as_keras_fit_builds(self, found.inputs)
+            _built_as_keras_fit_builds(self, found)
         with user_random.kept():
             if needs_trace(self) and state.trace_failure is None:
                 self._trace(found)
@@ -552,11 +553,11 @@ class _Peeked:
         return keras.tree.map_structure(symbolic, self.inputs)
 
 
-def _built_as_keras_fit_builds(model: Any, inputs: Any) -> None:
+def _built_as_keras_fit_builds(model: Any, found: "_Peeked") -> None:
     """Builds the layers of a subclassed `model` not yet built as Keras's
     fit() does at its start (`Trainer._symbolic_build`: the model called
-    on symbolic tensors shaped like the first batch, here of any batch
-    size, as the trace calls it), outside the package's
+    on symbolic tensors shaped like `found`'s first batch, here of any
+    batch size, as the trace calls it), outside the package's
     `user_random.kept()` blocks.
 
     Why: a layer that makes its initializer as it builds (a custom
@@ -573,23 +574,14 @@ def _built_as_keras_fit_builds(model: Any, inputs: Any) -> None:
     if type(model).call is keras.Model.call or all(
             layer.built for layer in model._flatten_layers()):
         return  # no call() of its own (a GAN's): Keras leaves it unbuilt
-
-    def symbolic(value):
-        if value is None:
-            return None
-        if not hasattr(value, "dtype"):
-            value = np.asarray(value)
-        # Any batch, as the trace then calls it: a layer that keeps the
-        # batch size it was built on would keep the first batch's.
-        return keras.KerasTensor((None,) + tuple(value.shape)[1:],
-                                 keras.backend.standardize_dtype(value.dtype))
-
     from keras.src import backend
 
     try:
-        backend.compute_output_spec(
-            model, keras.tree.map_structure(symbolic, inputs),
-            training=False)
+        # Inputs of any batch size, as the trace then calls it: a layer
+        # that keeps the batch size it was built on would keep the
+        # first batch's.
+        backend.compute_output_spec(model, found.symbolic_inputs(),
+                                    training=False)
     except Exception:  # Keras's fit builds it again, and says why
         return
 
@@ -633,7 +625,7 @@ def _peek_batch(
         first = next(x)
         second = next(x, None) if lengths else None
         x = _prepend([first] if second is None else [first, second], x)
-    elif _is_torch_loader(x):
+    elif is_torch_dataloader(x):
         read = _torch_batches(x, 2 if lengths else 1)
         first, second = read[0], (read[1] if len(read) > 1 else None)
     if first is not None:
@@ -644,14 +636,6 @@ def _peek_batch(
         return _Peeked(_leading_dim(inputs), inputs), x
     size = _KERAS_DEFAULT_BATCH_SIZE if batch_size is None else batch_size
     return _Peeked(int(size), x), x
-
-
-def _is_torch_loader(x: Any) -> bool:
-    """Whether `x` is a PyTorch `DataLoader`, by Keras's own rule (its
-    class or a parent named so in `torch.utils.data`)."""
-    from keras.src.trainers.data_adapters import is_torch_dataloader
-
-    return is_torch_dataloader(x)
 
 
 def _torch_batches(loader: Any, count: int) -> list[tuple]:
@@ -867,7 +851,7 @@ def _inputs_read_ahead(data: Any) -> tuple[Any, Any]:
         spec = data.element_spec
         return (spec[0] if isinstance(spec, tuple) else spec), data
     if (isinstance(data, keras.utils.PyDataset) or hasattr(data, "__next__")
-            or _is_torch_loader(data)):
+            or is_torch_dataloader(data)):
         try:
             found, data = _peek_batch(data, None, lengths=True)
         except StopIteration:  # an empty generator: Keras's to judge
