@@ -31,7 +31,6 @@ part 0 stands for every part. Only measuring imports TensorFlow.
 """
 
 import json
-import warnings
 import math
 import os
 import statistics
@@ -40,7 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from flexflow_keras import code_digest, disk_cache, op_specs, partition
+from flexflow_keras import (code_digest, disk_cache, notices, op_specs,
+                            partition)
 from flexflow_keras.graph import Op
 from flexflow_keras.machine import DeviceSpec, MachineModel
 from flexflow_keras.strategy import ParallelConfig
@@ -599,10 +599,9 @@ class _on_first_device:
         from flexflow_keras import devices
 
         self._device = tf.device(devices.device_names()[0])
-        self._warnings = warnings.catch_warnings()
+        self._warnings = notices.ignoring()
         self._device.__enter__()
         self._warnings.__enter__()
-        warnings.simplefilter("ignore")
         return tf
 
     def __exit__(self, *exc: Any) -> None:

@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from flexflow_keras import op_specs
+from flexflow_keras import notices, op_specs
 from flexflow_keras.graph import Op, OpGraph, TensorInfo, WeightInfo
 from flexflow_keras.model_state import state_of
 
@@ -279,14 +279,11 @@ def _quiet_auto_builds() -> Iterator[None]:
     to layer). A trace that fails there is followed by one that builds
     the model as one op (`_as_one_op`); the step builds nothing the
     user's first call would not."""
-    import warnings
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message=r"Layer '.*' looks like it has unbuilt state")
-        warnings.filterwarnings(
-            "ignore", message=r"`build\(\)` was called on layer '.*', "
-            r"however the layer does not have a `build\(\)` method")
+    with notices.ignoring(
+            r"Layer '.*' looks like it has unbuilt state",
+            r"`build\(\)` was called on layer '.*', "
+            r"however the layer does not have a `build\(\)` method"):
         yield
 
 
@@ -306,7 +303,6 @@ def _traced(model: Any, inputs: Any) -> Any:
     """A functional model of `model`'s call on `inputs` (raises what the
     call raises)."""
     import inspect
-    import warnings
 
     import keras
     from keras.src.utils import python_utils
@@ -322,12 +318,10 @@ def _traced(model: Any, inputs: Any) -> Any:
     if "training" in inspect.signature(model.call).parameters:
         kwargs["training"] = False
     outputs = model.call(inputs, **kwargs)
-    with warnings.catch_warnings():
-        # The trace's own inputs are unnamed; Keras warns when a dict of
-        # them (a model fed {"source": ..., ...}) does not match their
-        # names, which is not the user's doing.
-        warnings.filterwarnings(
-            "ignore", message="When providing `inputs` as a dict")
+    # The trace's own inputs are unnamed; Keras warns when a dict of
+    # them (a model fed {"source": ..., ...}) does not match their names,
+    # which is not the user's doing.
+    with notices.ignoring("When providing `inputs` as a dict"):
         return keras.Model(inputs, outputs, name=model.name)
 
 

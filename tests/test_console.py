@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import unittest
 
 from flexflow_keras import settings
@@ -93,6 +94,33 @@ print("devices used:", len({d for c in model.strategy.values()
 """
 
 
+# Three models, each fitted on a `tf.data.Dataset` with fit's default
+# `shuffle=True`: Keras warns that it ignores it once per place in its
+# code, so plain Keras shows it once (Deep Learning with Python's
+# weather chapter, six models). Each plan, the graph's trace and the
+# cost measurement, used to enter `warnings.catch_warnings()`, which
+# empties every module's record of the warnings shown: ours showed it
+# at every fit. A fresh cache folder makes every plan measure its ops.
+SEVERAL_FITS = """
+import numpy as np
+import tensorflow as tf
+import flexflow_keras as keras
+
+rng = np.random.default_rng(0)
+x = rng.random((64, 8), dtype=np.float32)
+y = rng.random((64, 1), dtype=np.float32)
+data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+for width in (16, 24, 32):
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(width, activation="relu")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(h))
+    model.compile(optimizer="adam", loss="mse", search_budget=20)
+    model.fit(data, epochs=1, verbose=0)
+    print("devices used:", len({d for c in model.strategy.values()
+                                for d in c.device_ids}))
+"""
+
+
 def _run(script=SCRIPT, **env):
     environ = {k: v for k, v in os.environ.items()
                if k != "TF_CPP_MIN_LOG_LEVEL"}
@@ -159,6 +187,16 @@ class ConsoleTest(unittest.TestCase):
                     {n: c for n, c in expanded.items() if c > 1}, {},
                     dict(expanded),
                 )
+
+    def test_keras_warnings_once_as_in_plain_keras(self):
+        with tempfile.TemporaryDirectory() as home:
+            done = _run(SEVERAL_FITS, HOME=home)
+        self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+        self.assertEqual(len(re.findall(r"devices used: [234]",
+                                        done.stdout)), 3, done.stdout)
+        self.assertEqual(
+            done.stderr.count("`shuffle=True` was passed, but will be "
+                              "ignored"), 1, done.stderr[-3000:])
 
     def test_setting_keeps_the_users_value(self):
         env = {}
