@@ -149,6 +149,84 @@ class RolledRNNTest(unittest.TestCase):
         self.assertEqual(len(refused), 4, refused)
 
 
+def build_one_hot(mod):
+    """Deep Learning with Python's "LSTM with one-hot" text model: token
+    ids one-hot encoded by a layer without weights, so nothing upstream
+    of the LSTM needs its inputs' gradient."""
+
+    class OneHot(mod.layers.Layer):
+        def call(self, inputs):
+            return mod.ops.one_hot(mod.ops.cast(inputs, "int32"), 20)
+
+    ids = mod.Input((STEPS,), dtype="int32", name="ids")
+    h = OneHot(name="one_hot")(ids)
+    h = mod.layers.Bidirectional(mod.layers.LSTM(6), name="bi")(h)
+    h = mod.layers.Dropout(0.3, seed=2, name="drop")(h)
+    return mod.Model(ids, mod.layers.Dense(1, activation="sigmoid",
+                                          name="out")(h))
+
+
+def build_projected(mod):
+    """Float sequences through a Dense, then a GRU: the Dense's weights
+    need the loop's input gradient."""
+    seqs = mod.Input((STEPS, 3), name="seqs")
+    h = mod.layers.Dense(4, activation="tanh", name="proj")(seqs)
+    h = mod.layers.GRU(5, name="gru")(h)
+    return mod.Model(seqs, mod.layers.Dense(1, name="out")(h))
+
+
+class InputGradientTest(unittest.TestCase):
+    """The backward loop computes the gradient of the loop's inputs only
+    where a tape will use it (`record.should_record_backprop`). For the
+    one-hot model that gradient was a (steps, batch, vocabulary) buffer
+    written block by block and a matmul per step that nothing read: 844
+    ms a step against plain Keras's 257 ms at the book's sizes (200
+    steps, 2,000 tokens, 2 virtual CPUs), 399 ms without it."""
+
+    def fit_both(self, build, x, y, make_strategy, executor_type, loss):
+        asked = []
+        ask = rolled_rnn.record.should_record_backprop
+
+        def asking(tensors):
+            asked.append(ask(tensors))
+            return asked[-1]
+
+        with mock.patch.object(rolled_rnn.record, "should_record_backprop",
+                               asking):
+            histories, models, messages = support.fit_plain_and_ours(
+                build, make_strategy, BATCH, 3,
+                dict(optimizer="adam", loss=loss), x=x, y=y, epochs=2,
+                shuffle=False, verbose=0)
+        support.assert_not_handed_over(self, messages, messages)
+        executor = models["ours"].strategy_executor
+        self.assertIsInstance(executor, executor_type)
+        self.assertTrue(executor.loops.rolled, "fell back to unrolled loops")
+        support.assert_same_fits(self, histories, models)
+        return asked
+
+    def test_input_nothing_needs_gets_no_gradient(self):
+        ids, y = data(0, rows=WHOLE_BATCHES)
+        asked = self.fit_both(build_one_hot, ids, y,
+                              lambda g: Strategy.data_parallel(g, 4),
+                              model_step.ModelStepExecutor,
+                              "binary_crossentropy")
+        self.assertIn(False, asked)  # no tape watches the one-hot rows
+        self.assertNotIn(True, asked)
+
+    def test_input_gradient_a_layer_needs(self):
+        rng = np.random.default_rng(4)
+        x = rng.normal(size=(WHOLE_BATCHES, STEPS, 3)).astype("float32")
+        y = x[:, -2:, 0].mean(axis=1, keepdims=True)
+        for name, make, executor in (
+                ("one mesh", lambda g: Strategy.data_parallel(g, 4),
+                 model_step.ModelStepExecutor),
+                ("several meshes", support.several_meshes, step.Executor)):
+            with self.subTest(strategy=name):
+                asked = self.fit_both(build_projected, x, y, make, executor,
+                                      "mse")
+                self.assertIn(True, asked)
+
+
 class LoopWidthTest(unittest.TestCase):
     def test_loops_do_not_widen_as_steps_are_built(self):
         """Every step function built varies the loops' spare carries

@@ -39,7 +39,7 @@ import itertools
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.python.eager import context
+from tensorflow.python.eager import context, record
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import array_ops
 from keras import tree
@@ -203,6 +203,13 @@ def rolled_rnn(step_function: Any, inputs: Any, initial_states: Any,
             mask = tf.gather(mask, order)
     state_structure = tuple(initial_states)
     flat_states = tree.flatten(state_structure)
+    # The inputs whose gradient some tape will use: one that no open
+    # tape watches (an input computed from the batch alone, by layers
+    # without weights: a one-hot encoding of token ids) gets none, and
+    # the backward loop neither computes nor stores it.
+    need_input_grads = [record.should_record_backprop([x])
+                        for x in flat_inputs]
+    n_dx = sum(need_input_grads)
 
     # The cells' weights go into the loops as inputs, and each step reads
     # them there (a StatelessScope): their gradients come out as the
@@ -343,26 +350,28 @@ def rolled_rnn(step_function: Any, inputs: Any, initial_states: Any,
                     s_t = [tf.gather(b, t_now) for b in kept_states]
                     p_t = ([tf.gather(b, t_now) for b in kept_prev]
                            if keep_previous else [])
+                    x_needed = [x for x, need in zip(x_t, need_input_grads)
+                                if need]
                     with tf.GradientTape(
                             watch_accessed_variables=False) as tape:
-                        tape.watch(x_t + s_t + p_t + in_loop)
+                        tape.watch(x_needed + s_t + p_t + in_loop)
                         for variable in variables:
                             tape.watch(variable)
                         out, new, _ = step(x_t, s_t, cs)
                         out, new = masked(t_now, out, new, p_t, s_t)
                     d_out = [tf.gather(g, t_now) + p
                              for g, p in zip(d_outs, d_prev)]
-                    sources = x_t + s_t + p_t + in_loop + variables
+                    sources = x_needed + s_t + p_t + in_loop + variables
                     grads = tape.gradient(
                         out + new, sources,
                         output_gradients=d_out + d_states,
                         unconnected_gradients=tf.UnconnectedGradients.ZERO,
                     )
-                    d_x.append(list(grads[:n_in]) + (
+                    d_x.append(list(grads[:n_dx]) + (
                         d_out + d_states if weights_after else []))
-                    d_states = list(grads[n_in:n_in + n_st])
-                    g_p = grads[n_in + n_st:n_in + n_st + len(p_t)]
-                    others = grads[n_in + n_st + len(p_t):]
+                    d_states = list(grads[n_dx:n_dx + n_st])
+                    g_p = grads[n_dx + n_st:n_dx + n_st + len(p_t)]
+                    others = grads[n_dx + n_st + len(p_t):]
                     g_c = others[:len(in_loop)]
                     g_v = others[len(in_loop):]
                     d_cs = [a + g for a, g in zip(d_cs, g_c)]
@@ -389,7 +398,8 @@ def rolled_rnn(step_function: Any, inputs: Any, initial_states: Any,
                     [tf.zeros_like(v) for v in variables])
                 start = (
                     tf.constant(0), d_states, d_prev,
-                    [_blocks(blocks, block, x[0]) for x in xs] + (
+                    [_blocks(blocks, block, x[0])
+                     for x, need in zip(xs, need_input_grads) if need] + (
                         [_blocks(blocks, block, o) for o in first_output]
                         + [_blocks(blocks, block, s) for s in s0]
                         if weights_after else []),
@@ -402,11 +412,14 @@ def rolled_rnn(step_function: Any, inputs: Any, initial_states: Any,
                 )
                 recorded = _joined(d_xs, d_rest)
                 if weights_after:
-                    d_cs = weight_gradients(recorded[n_in:])
+                    d_cs = weight_gradients(recorded[n_dx:])
             finally:
                 for cell, name, value in restored:
                     setattr(cell, name, value)
-            d_args = recorded[:n_in] + list(d_s0) + list(d_cs)
+            d_inputs = iter(recorded[:n_dx])
+            d_args = [next(d_inputs) if need else None
+                      for need in need_input_grads]
+            d_args += list(d_s0) + list(d_cs)
             if not variables:  # TensorFlow asks for weights' gradients
                 return d_args  # only when the loop read weights
             return d_args, list(d_vars)
