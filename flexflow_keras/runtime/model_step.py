@@ -37,7 +37,7 @@ from keras.src.backend import get_keras_mask, set_keras_mask
 from keras.src.ops.operation import Operation
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 from tensorflow.experimental import dtensor
-from tensorflow.python.eager import context
+from tensorflow.python.eager import context, record
 
 from flexflow_keras import capabilities
 from flexflow_keras import user_random
@@ -478,10 +478,14 @@ class ModelStepExecutor:
         def relaid(value):
             if not _is_traced_tensor(value):
                 return value
-            layout = layouts.get(next(positions))
+            pos = next(positions)
+            layout = layouts.get(pos)
             if layout is None:
                 return value
-            copies.append((value, relaid_like_keras(value, layout)))
+            step_input = (pos < len(plan.op.inputs)
+                          and plan.op.inputs[pos] in self.graph.inputs)
+            copies.append((value, relaid_like_keras(
+                value, layout, gradient_whole=step_input)))
             return copies[-1][1]
 
         args, kwargs = tree.map_structure(relaid, (args, kwargs))
@@ -926,9 +930,11 @@ def _own_rows(value: Any, mesh: Any) -> Any:
     return dtensor.pack(rows, layout)
 
 
-def relaid_like_keras(value: Any, layout: Any) -> Any:
+def relaid_like_keras(value: Any, layout: Any,
+                      gradient_whole: bool = False) -> Any:
     """`dtensor.relayout(value, layout)`, still known to Keras as what
     `value` was: the softmax or sigmoid of its logits, masked by its mask.
+    `gradient_whole`: see `_relaid_gradient_whole`.
 
     Keras's crossentropies read the logits of a probability output (the
     `_keras_logits` its activations set, or a `Softmax`/`Sigmoid` op's
@@ -938,7 +944,8 @@ def relaid_like_keras(value: Any, layout: Any) -> Any:
     loss of 11.21 against Keras's 16.01). Layers read their inputs' masks
     from the tensors too (`_masks_as_the_call_left_them`).
     """
-    relaid = dtensor.relayout(value, layout)
+    relaid = (_relaid_gradient_whole(value, layout) if gradient_whole
+              else dtensor.relayout(value, layout))
     logits = keras_logits(value)
     if logits is not None:
         # The logits in the same layout: the model's outputs reach the
@@ -955,6 +962,33 @@ def relaid_like_keras(value: Any, layout: Any) -> Any:
     if mask is not None:
         set_keras_mask(relaid, mask)
     return relaid
+
+
+def _relaid_gradient_whole(value: Any, layout: Any) -> Any:
+    """`dtensor.relayout(value, layout)` whose gradient comes back whole
+    (replicated), where a tape watches `value`; a plain relayout where
+    none does.
+
+    For a model input of the step's (the batch the user's code calls the
+    model on). A step that moves its inputs along their own gradient and
+    calls the model again (adversarial training: `x + eps * dL/dx`) made
+    DTensor refuse the step ("output layout of Relayout op after layout
+    propagation does not match layout specified by Relayout op", TF
+    2.21): the gradient of a relayout is DTensor's `RelayoutLike`, whose
+    layout it could not settle once that gradient met the input again.
+    A whole gradient settles it; only an input gradient a user asked for
+    pays its gather."""
+    if not record.should_record_backprop([value]):
+        return dtensor.relayout(value, layout)
+    whole = replicated(layout.mesh, layout.rank)
+
+    @tf.custom_gradient
+    def relaid(value):
+        def gradient(upstream):
+            return dtensor.relayout(upstream, whole)
+        return dtensor.relayout(value, layout), gradient
+
+    return relaid(value)
 
 
 def _masks_as_the_call_left_them(copies: list) -> None:
