@@ -279,7 +279,6 @@ def _quiet_auto_builds() -> Iterator[None]:
     to layer). A trace that fails there is followed by one that builds
     the model as one op (`_as_one_op`); the step builds nothing the
     user's first call would not."""
-
     with notices.ignoring(
             r"Layer '.*' looks like it has unbuilt state",
             r"`build\(\)` was called on layer '.*', "
