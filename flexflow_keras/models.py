@@ -537,8 +537,9 @@ class _Peeked:
                 value
             )
             dtype = keras.backend.standardize_dtype(value.dtype)
-            return keras.Input(tuple(np.shape(value))[1:], dtype=dtype,
-                               name=name)
+            with user_random.names_kept():  # the package's, not the script's
+                return keras.Input(tuple(np.shape(value))[1:], dtype=dtype,
+                                   name=name)
 
         def named(key, value):
             if keras.tree.is_nested(value):

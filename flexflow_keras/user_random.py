@@ -21,8 +21,17 @@ a seed), PyTorch's CPU generator where the script imported torch (a
 layers' seed states: measuring a random layer's cost draws from them).
 Keras's own compile and fit are not wrapped: they draw what they draw on
 plain Keras too.
+
+The same blocks keep Keras's name counters (`keras.src.utils.naming`,
+what an unnamed layer, model, optimizer or variable is numbered from):
+the package's work builds Keras objects (a traced functional model's
+inputs, the calibration's one-layer model, probes), and each took a
+number, so the script's next model was `functional_2` where plain Keras
+names it `functional_1`, its layers `dense_2` and `input_layer_2`: other
+names in its summary, and a `model.get_layer("dense_1")` that fails.
 """
 
+import collections
 import contextlib
 import random
 import sys
@@ -185,7 +194,33 @@ def _save() -> dict[str, Any]:
                          None if tf_generator is None
                          else tf_generator.state.numpy()),
         "torch": _torch_state(),
+        "names": dict(_name_counters()),
     }
+
+
+@contextlib.contextmanager
+def names_kept() -> Iterator[None]:
+    """Runs the block, then puts Keras's name counters back: for the
+    package's own Keras objects made outside a `kept()` block (the
+    symbolic inputs a subclassed model is built on as fit builds it)."""
+    saved = dict(_name_counters())
+    try:
+        yield
+    finally:
+        _put_names_back(saved)
+
+
+def _put_names_back(saved: dict[str, int]) -> None:
+    counters = _name_counters()
+    counters.clear()
+    counters.update(saved)
+
+
+def _name_counters() -> Any:
+    """Keras's counters of auto-named objects, prefix -> last number."""
+    return global_state.get_global_attribute(
+        "object_name_uids", default=collections.defaultdict(int),
+        set_to_default=True)
 
 
 def _torch_state() -> Any:
@@ -221,3 +256,4 @@ def _restore(saved: dict[str, Any]) -> None:
         tf_generator.state.assign(state)
     if saved["torch"] is not None:
         sys.modules["torch"].random.set_rng_state(saved["torch"])
+    _put_names_back(saved["names"])
