@@ -30,6 +30,15 @@ MODELS = {
                       r.random((n, 32, 64), dtype=np.float32)),
         32,
     ),
+    # Recurrent loops: their time is not proportional to the batch
+    # (cost.py's two-batch representatives).
+    "lstm": (
+        lambda: model_zoo.lstm_model(seq=50, features=32, units=256,
+                                     classes=10),
+        lambda n, r: (r.random((n, 50, 32), dtype=np.float32),
+                      r.integers(0, 10, (n,))),
+        64,
+    ),
 }
 
 

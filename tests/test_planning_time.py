@@ -132,5 +132,71 @@ class RepresentativeTest(unittest.TestCase):
             ))
 
 
+def gru_graph(batch=64):
+    """A character GRU (Deep Learning with Python's, smaller): token ids
+    -> Embedding -> GRU over 50 steps."""
+    import keras
+
+    x = keras.Input((50,), dtype="int32", name="x")
+    y = keras.layers.Embedding(60, 64, name="embedding")(x)
+    y = keras.layers.GRU(256, return_sequences=True, name="gru")(y)
+    return build_graph(keras.Model(x, y), batch)
+
+
+class RecurrentRepresentativeTest(unittest.TestCase):
+    """A recurrent layer pays its loop at every timestep, whatever the
+    batch: its representative is timed on two batches and taken to a
+    part's samples along the line through them, not in proportion."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.machine = load_machine(None)
+        cls.spec = cls.machine.devices[0]
+        cls.op = gru_graph().op("gru")
+
+    def test_taken_along_the_line_through_two_batches(self):
+        op, whole = self.op, self.op.output_shape[0]
+        # 10 ms on 1 sample, 13 on 4: 1 ms a sample over a 9 ms loop.
+        rep = [1, 10.0, 20.0, *cost.representative_work(op, 1),
+               4, 13.0, 26.0]
+        forward, backward = cost.scaled_ms(
+            op, cost.whole_config(op), self.spec, rep)
+        self.assertAlmostEqual(forward, 10.0 + (whole - 1))
+        self.assertAlmostEqual(backward, 20.0 + 2 * (whole - 1))
+        # one sample priced as the first batch, whatever the line says
+        noisy = rep[:-3] + [4, 9.0, 18.0]
+        one = ParallelConfig((whole, 1, 1), tuple(range(whole)))
+        self.assertEqual(cost.scaled_ms(op, one, self.spec, noisy),
+                         (10.0, 20.0))
+        # a layer without a loop, timed on one batch, stays proportional
+        single = cost.scaled_ms(op, cost.whole_config(op), self.spec,
+                                rep[:-3])
+        self.assertGreater(single[0], 10.0 * whole * 0.9)
+
+    def test_timed_on_two_batches(self):
+        op = self.op
+        self.assertFalse(cost.is_small(op, self.spec))
+        key = cost.representative_key(op, "CPU")
+        self.assertIn("two batches", key)
+        with tempfile.TemporaryDirectory() as folder:
+            model = measured_cost_model(os.path.join(folder, "c.json"),
+                                        self.machine)
+            whole = model.op_cost(op, batch_split(op, 1), 0)
+            halves = model.op_cost(op, batch_split(op, 2), 0)
+            self.assertEqual(model.num_measured, 1)
+            entry = model._load()[key]
+        first, second = entry[0], entry[7]
+        self.assertEqual(len(entry), 10)
+        self.assertEqual(second, cost._second_batch(first, 64))
+        self.assertLess(sum(halves), sum(whole))
+
+    def test_second_batch(self):
+        self.assertEqual(cost._second_batch(1, 64), 4)
+        self.assertEqual(cost._second_batch(32, 64), 64)
+        self.assertEqual(cost._second_batch(64, 64), 16)
+        self.assertEqual(cost._second_batch(2, 2), 1)
+        self.assertIsNone(cost._second_batch(1, 1))
+
+
 if __name__ == "__main__":
     unittest.main()
