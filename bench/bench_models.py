@@ -39,8 +39,33 @@ MODELS = {
                       r.integers(0, 10, (n,))),
         64,
     ),
+    # Transfer learning: a frozen convolutional base, a trainable head;
+    # the step computes no gradient through the base (cost.py's
+    # `_with_backward`).
+    "frozen": (
+        lambda: frozen_base_cnn((32, 32, 3), 10),
+        lambda n, r: (r.random((n, 32, 32, 3), dtype=np.float32),
+                      r.integers(0, 10, (n,))),
+        64,
+    ),
 }
 
+
+def frozen_base_cnn(shape, classes):
+    """keras.io's transfer-learning shape: a frozen base of three
+    convolutions, global pooling, a trainable Dense head."""
+    base = keras.Sequential([
+        keras.layers.Conv2D(32, 3, activation="relu", padding="same"),
+        keras.layers.Conv2D(64, 3, activation="relu", padding="same"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(64, 3, activation="relu", padding="same"),
+    ], name="base")
+    base.trainable = False
+    inputs = keras.Input(shape)
+    x = keras.layers.GlobalAveragePooling2D()(base(inputs))
+    x = keras.layers.Dense(128, activation="relu")(x)
+    outputs = keras.layers.Dense(classes)(x)
+    return keras.Model(inputs, outputs, name="frozen_base_cnn")
 
 
 def loss_of(name):

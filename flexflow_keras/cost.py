@@ -162,6 +162,8 @@ class CostModel:
                 hit = analytic_op_ms(op, config, spec)
             else:
                 hit = self._measured(op, config, spec)
+            if not op.has_backward:  # timed, it would be noise
+                hit = (hit[0], 0.0)
             self._memo[key] = hit
         return hit
 
@@ -335,7 +337,26 @@ def _work(
     flops = op_specs.part_flops(op, ins, out)
     if flops is None:  # an even share of the whole's
         flops = (op.forward_flops * num / den, op.backward_flops * num / den)
-    return (*flops, moved, 2 if op.weights else 1)
+    return _with_backward(op, flops, moved, 2 if op.weights else 1)
+
+
+def _with_backward(
+    op: Op, flops: Any, moved: float, kernels: int
+) -> tuple[float, float, float, int]:
+    """`_work`'s figures less the gradients the step does not compute
+    (`Op.gradient_inputs`, frozen weights). The backward of an op with
+    weights is two kernels, the float inputs' gradient and the
+    weights', of about equal work: a first layer, or the first
+    trainable one after a frozen base, does one of them; an op of a
+    frozen base none (0 kernels: `_work_ms` prices no backward)."""
+    floats = [k for k in range(len(op.inputs))
+              if "int" not in _input_dtype(op, k)]
+    could = bool(floats) + bool(op.weights)
+    does = (any(op.input_needs_gradient(k) for k in floats)
+            + op.trains_weights)
+    if does == could or not could:
+        return (*flops, moved, kernels)
+    return (flops[0], flops[1] * does / could, moved, does)
 
 
 def _work_ms(work: Any, spec: DeviceSpec) -> tuple[float, float]:
@@ -344,6 +365,8 @@ def _work_ms(work: Any, spec: DeviceSpec) -> tuple[float, float]:
     per_ms_bytes = spec.memory_gbps * 1e6
     per_ms_flops = spec.peak_flops / 1e3
     forward = max(forward_flops / per_ms_flops, moved / per_ms_bytes)
+    if not kernels:  # no gradient computed (`Op.has_backward`)
+        return forward + spec.launch_overhead_ms, 0.0
     backward = max(backward_flops / per_ms_flops, 2 * moved / per_ms_bytes)
     return (forward + spec.launch_overhead_ms,
             backward + kernels * spec.launch_overhead_ms)
@@ -411,7 +434,7 @@ def scaled_ms(
         work = representative_work(op, samples)
     reference = _work_ms(work, spec)
     return (forward_ms * part[0] / reference[0],
-            backward_ms * part[1] / reference[1])
+            backward_ms * part[1] / reference[1] if reference[1] else 0.0)
 
 
 def _at_samples(
@@ -453,7 +476,8 @@ def representative_key(op: Op, device_kind: str) -> str:
         out = ("*",) + tuple(out[1:])
     tag = _REPRESENTATIVE_TWO if _is_recurrent(op) else _REPRESENTATIVE
     return json.dumps(
-        [tag, op.type, _signature(op, 1), ins, out, op.dtype, device_kind],
+        [tag, op.type, _signature(op, 1), ins, out, op.dtype, device_kind,
+         *_gradient_tag(op)],
         sort_keys=True, default=str,
     )
 
@@ -464,9 +488,28 @@ def cache_key(op: Op, config: ParallelConfig, device_kind: str) -> str:
     degree = partition.parameter_degree(op, config)
     signature = _signature(op, degree)
     return json.dumps(
-        [_SHARD, op.type, signature, ins, out, op.dtype, device_kind],
+        [_SHARD, op.type, signature, ins, out, op.dtype, device_kind,
+         *_gradient_tag(op)],
         sort_keys=True, default=str,
     )
+
+
+def _gradient_tag(op: Op) -> tuple:
+    """What a cache key adds for an op some of whose inputs get no
+    gradient (`Op.gradient_inputs`): which inputs do, by distinct
+    tensor (`_unique_inputs`'s order). Nothing where all do, so keys of
+    such ops stay as older versions wrote them."""
+    wanted = _gradient_wanted(op)
+    return () if all(wanted) else (["input gradients", wanted],)
+
+
+def _gradient_wanted(op: Op) -> list[bool]:
+    """Per distinct input tensor of `op` (`_unique_inputs`'s order),
+    whether the step computes its gradient."""
+    wanted: dict[str, bool] = {}
+    for k, name in enumerate(op.inputs):
+        wanted[name] = wanted.get(name, False) or op.input_needs_gradient(k)
+    return list(wanted.values())
 
 
 def _signature(op: Op, degree: int) -> Any:
@@ -712,7 +755,9 @@ def _shard_layer(op: Op, degree: int) -> Any:
         if key in config:
             config[key] = config[key] // degree
     config["name"] = f"{config.get('name', 'op')}_shard{degree}"
-    return type(layer).from_config(config)
+    shard = type(layer).from_config(config)
+    shard.trainable = layer.trainable  # a frozen layer's has no gradient
+    return shard
 
 
 # (op type, layer config (or op name), parameter degree, each input's
@@ -750,7 +795,8 @@ def _shard_steps(
     key = (op.type, json.dumps(signature, sort_keys=True, default=str)
            if signature is not None else ("op", op.name), degree,
            tuple((tuple(shape[1:]), dtype)
-                 for _, shape, dtype in _unique_inputs(op, ins)))
+                 for _, shape, dtype in _unique_inputs(op, ins)),
+           tuple(_gradient_wanted(op)))
     found = _SHARD_STEPS.get(key)
     if found is not None:
         layer, backing, steps = found
@@ -790,6 +836,7 @@ def _step_functions(
         for _, shape, dtype in inputs
     ]
     names = [name for name, _, _ in inputs]
+    wanted = _gradient_wanted(op)
 
     def total(y: Any) -> Any:
         leaves = [t for t in tf.nest.flatten(y) if t.dtype.is_floating]
@@ -801,7 +848,9 @@ def _step_functions(
 
     @tf.function(input_signature=[tf.TensorSpec((), tf.bool)] + signature)
     def step(backward: Any, *values: Any) -> Any:
-        floats = [v for v in values if v.dtype.is_floating]
+        # Only the inputs whose gradient the model's step computes.
+        floats = [v for v, w in zip(values, wanted)
+                  if w and v.dtype.is_floating]
         with tf.GradientTape() as tape:
             tape.watch(floats)
             loss = total(call(values))

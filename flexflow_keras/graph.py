@@ -107,6 +107,12 @@ class Op:
             `keras_graph.fill_arguments`.
         varying_inputs: Per input, its `TensorInfo.varying` dims (empty
             when no input has any).
+        gradient_inputs: Per input, whether the loss's gradient reaches
+            it: an op upstream has trainable weights (empty: every
+            input). The step's gradient is taken with respect to the
+            trainable weights only, so TensorFlow computes no gradient
+            of a model input or of a frozen base's outputs; the
+            simulator prices no such gradient (`input_needs_gradient`).
     """
 
     name: str
@@ -132,6 +138,24 @@ class Op:
         default_factory=dict, repr=False, compare=False
     )
     varying_inputs: tuple[tuple[int, ...], ...] = ()
+    gradient_inputs: tuple[bool, ...] = ()
+
+    def input_needs_gradient(self, pos: int) -> bool:
+        """Whether the step computes the gradient of input `pos`
+        (`gradient_inputs`)."""
+        return not self.gradient_inputs or self.gradient_inputs[pos]
+
+    @property
+    def trains_weights(self) -> bool:
+        """Whether the step computes gradients of weights of this op."""
+        return any(w.trainable for w in self.weights)
+
+    @property
+    def has_backward(self) -> bool:
+        """Whether any gradient is computed for this op: of a weight or
+        of an input."""
+        return self.trains_weights or any(
+            self.input_needs_gradient(k) for k in range(len(self.inputs)))
 
     def takes(self, pos: int, shape: Sequence[int | None]) -> bool:
         """Whether a tensor of `shape` is this op's input `pos` as the
@@ -264,6 +288,14 @@ class OpGraph:
 
     def consumers(self, tensor: str) -> tuple[Op, ...]:
         return self._consumers[tensor]
+
+    def needs_gradient(self, tensor: str) -> bool:
+        """Whether the step computes the gradient of `tensor`: an op
+        that reads it says so (`Op.gradient_inputs`)."""
+        return any(
+            op.input_needs_gradient(k)
+            for op in self._consumers.get(tensor, ())
+            for k, name in enumerate(op.inputs) if name == tensor)
 
     def producer(self, tensor: str) -> Op | None:
         name = self._tensors[tensor].producer

@@ -582,6 +582,8 @@ class _GraphBuilder:
         self.hosted: set[int] = set()  # ids of `hosted_nodes`
         self.host_reads: set[str] = set()  # tensors hosted calls read
         self.any_varying = False  # a step input has `varying` dims
+        # Tensors the loss's gradient reaches (`Op.gradient_inputs`).
+        self.differentiable: set[str] = set()
 
     def add_inputs(self, function: Any, prefix: str = "") -> tuple[str, ...]:
         names = []
@@ -748,6 +750,11 @@ class _GraphBuilder:
             for v in getattr(operation, "weights", ())
         )
         owner = self.first_op_of_layer.setdefault(id(operation), name)
+        gradient_inputs = tuple(t in self.differentiable for t in inputs)
+        if any(w.trainable for w in weights) or any(gradient_inputs):
+            self.differentiable.update(
+                out for out, kt in zip(outputs, node.outputs)
+                if "float" in str(kt.dtype))
         dtype = str(node.outputs[0].dtype) if node.outputs else "float32"
         self.ops.append(
             Op(
@@ -772,6 +779,7 @@ class _GraphBuilder:
                 varying_inputs=(
                     tuple(self.tensors[t].varying for t in inputs)
                     if self.any_varying else ()),
+                gradient_inputs=gradient_inputs,
             )
         )
 

@@ -408,7 +408,9 @@ def overlap_array(
     parts read disjoint regions (a layout move); where they overlap (a
     replicated read) it is a sum of partial gradients, sent as the
     regions met. Otherwise each consumer part receives its input region
-    from each part holding some of it, as FlexFlow moves it.
+    from each part holding some of it, as FlexFlow moves it. No gradient
+    goes back for an input the step computes none of
+    (`Op.gradient_inputs`: a frozen base's output).
 
     Why cached: it depends on the two configs' dims, not their devices
     (beyond `relaid`), and a search proposes
@@ -442,6 +444,8 @@ def overlap_array(
             grads = np.where(holds[:, None, None],
                              gathered_region(have, need, whole), have)
         backward = _met(need, grads, holds)
+    if not consumer.input_needs_gradient(input_index):
+        backward = np.zeros_like(backward)  # the step computes none
     i, j = np.nonzero((forward > 0) | (backward > 0))
     rows = np.stack([i, j, forward[i, j], backward[i, j]], axis=1)
     rows = rows.astype(np.int64).reshape(-1, 4)

@@ -21,10 +21,13 @@ SPEC = DeviceSpec("T", 0, 1e12, 2**30, 1.0, launch_overhead_ms=0.01)
 
 
 def dense_op(batch=64, features=256, units=512):
+    """A Dense whose input's gradient the step computes (a Dense before
+    it), so its backward is both kernels."""
     import keras
 
     x = keras.Input((features,), name="x")
-    y = keras.layers.Dense(units, name="d")(x)
+    h = keras.layers.Dense(features, name="before")(x)
+    y = keras.layers.Dense(units, name="d")(h)
     return build_graph(keras.Model(x, y), batch).op("d")
 
 

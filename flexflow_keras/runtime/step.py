@@ -419,7 +419,11 @@ class Executor:
 
         @step_function
         def backward(inputs, out_grads, hyper):
-            floats = [x for x in inputs if _is_float(x)]
+            # The gradients the model's step would take: none of a model
+            # input or of a frozen base's output (`OpGraph.needs_gradient`).
+            graded = [_is_float(x) and self.graph.needs_gradient(t)
+                      for t, x in zip(seg.inputs, inputs)]
+            floats = [x for x, g in zip(inputs, graded) if g]
             with tf.GradientTape() as tape, self._unfed.recording(index):
                 tape.watch(floats)
                 values = dict(zip(seg.inputs, inputs))
@@ -437,8 +441,8 @@ class Executor:
             self.updater.apply(grads[len(floats):], dvars, hyper[0], hyper[1])
             self._assign(updates)
             result, it = [], iter(grads[: len(floats)])
-            for x in inputs:
-                g = next(it) if _is_float(x) else None
+            for wanted in graded:
+                g = next(it) if wanted else None
                 if isinstance(g, tf.IndexedSlices):
                     g = tf.convert_to_tensor(g)
                 result.append(g)
