@@ -55,16 +55,19 @@ def frozen_base_cnn(shape, classes):
     """keras.io's transfer-learning shape: a frozen base of three
     convolutions, global pooling, a trainable Dense head."""
     base = keras.Sequential([
-        keras.layers.Conv2D(32, 3, activation="relu", padding="same"),
-        keras.layers.Conv2D(64, 3, activation="relu", padding="same"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Conv2D(64, 3, activation="relu", padding="same"),
+        keras.layers.Conv2D(32, 3, activation="relu", padding="same",
+                            name="conv1"),
+        keras.layers.Conv2D(64, 3, activation="relu", padding="same",
+                            name="conv2"),
+        keras.layers.MaxPooling2D(name="pool"),
+        keras.layers.Conv2D(64, 3, activation="relu", padding="same",
+                            name="conv3"),
     ], name="base")
     base.trainable = False
-    inputs = keras.Input(shape)
-    x = keras.layers.GlobalAveragePooling2D()(base(inputs))
-    x = keras.layers.Dense(128, activation="relu")(x)
-    outputs = keras.layers.Dense(classes)(x)
+    inputs = keras.Input(shape, name="image")
+    x = keras.layers.GlobalAveragePooling2D(name="gap")(base(inputs))
+    x = keras.layers.Dense(128, activation="relu", name="hidden")(x)
+    outputs = keras.layers.Dense(classes, name="logits")(x)
     return keras.Model(inputs, outputs, name="frozen_base_cnn")
 
 

@@ -15,7 +15,7 @@ strategy measured 16.6 and 25.0 ms a step in two fits a minute apart
 is the same, 2026-11-29), more than the 30% the simulator is held to.
 
 Usage:
-    python bench/fidelity_bench.py [--models mlp,cnn,transformer,lstm]
+    python bench/fidelity_bench.py [--models mlp,cnn,transformer,lstm,frozen]
         [--random 5] [--budget 200] [--epochs 5] [--steps 16] [--rounds 3]
 """
 
@@ -90,7 +90,7 @@ def strategies(name, machine, sim, budget, count, seed):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="mlp,cnn,transformer,lstm")
+    parser.add_argument("--models", default="mlp,cnn,transformer,lstm,frozen")
     parser.add_argument("--random", type=int, default=5)
     parser.add_argument("--budget", type=int, default=200)
     parser.add_argument("--epochs", type=int, default=5)
