@@ -52,6 +52,7 @@ from flexflow_keras import (code_digest, disk_cache, notices, op_specs,
                             partition)
 from flexflow_keras.graph import Op
 from flexflow_keras.machine import DeviceSpec, MachineModel
+from flexflow_keras.op_specs_sequence import recurrent
 from flexflow_keras.strategy import ParallelConfig
 
 MODES = ("analytic", "measured")
@@ -455,8 +456,6 @@ def _at_samples(
 def _is_recurrent(op: Op) -> bool:
     """Whether `op` runs a recurrent loop over a batched input: its
     representative is timed on two batches."""
-    from flexflow_keras.runtime.unroll import recurrent
-
     return op.layer is not None and recurrent(op.layer) and _batched(op)
 
 

@@ -22,6 +22,14 @@ from flexflow_keras.flop_counting import call_arg as _call_arg
 from flexflow_keras.flop_counting import spec as _spec
 
 
+def recurrent(layer: Any) -> bool:
+    """Whether `layer` runs a recurrent loop (an RNN layer's `cell`, a
+    `Bidirectional`'s `forward_layer`): the planning stages price it
+    from two batches (`cost._is_recurrent`) and the runtime rolls or
+    unrolls it (`runtime/unroll.py`)."""
+    return hasattr(layer, "cell") or hasattr(layer, "forward_layer")
+
+
 def _full_shape(kt: Any, batch: int) -> Shape:
     return (batch,) + tuple(kt.shape[1:])
 

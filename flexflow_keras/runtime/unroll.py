@@ -9,6 +9,7 @@ import tensorflow as tf
 from keras import tree
 from keras.src import backend as keras_backend
 
+from flexflow_keras.op_specs_sequence import recurrent
 from flexflow_keras.runtime import rolled_rnn
 
 
@@ -54,11 +55,6 @@ def unrolled(layer: Any, rolled: bool = False) -> Iterator[None]:
         keras_backend.rnn = keras_rnn
         for rnn, name, value in saved:
             setattr(rnn, name, value)
-
-
-def recurrent(layer: Any) -> bool:
-    """Whether `layer` runs a recurrent loop (`unrolled` changes it)."""
-    return hasattr(layer, "cell") or hasattr(layer, "forward_layer")
 
 
 class Loops:
