@@ -750,11 +750,6 @@ class _GraphBuilder:
             for v in getattr(operation, "weights", ())
         )
         owner = self.first_op_of_layer.setdefault(id(operation), name)
-        gradient_inputs = tuple(t in self.differentiable for t in inputs)
-        if any(w.trainable for w in weights) or any(gradient_inputs):
-            self.differentiable.update(
-                out for out, kt in zip(outputs, node.outputs)
-                if "float" in str(kt.dtype))
         dtype = str(node.outputs[0].dtype) if node.outputs else "float32"
         self.ops.append(
             Op(
@@ -779,9 +774,14 @@ class _GraphBuilder:
                 varying_inputs=(
                     tuple(self.tensors[t].varying for t in inputs)
                     if self.any_varying else ()),
-                gradient_inputs=gradient_inputs,
+                gradient_inputs=tuple(
+                    t in self.differentiable for t in inputs),
             )
         )
+        if self.ops[-1].has_backward:  # its float outputs get a gradient
+            self.differentiable.update(
+                out for out, kt in zip(outputs, node.outputs)
+                if "float" in str(kt.dtype))
 
 
 def fill_arguments(
