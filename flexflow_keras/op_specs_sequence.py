@@ -67,7 +67,6 @@ def attention(call: _Call) -> Flops:
     batch = outs[0][0]
     query = _call_arg(arguments, 0, "query")
     value = _call_arg(arguments, 1, "value")
-    key = _call_arg(arguments, 2, "key")
     if query is not None and value is not None:
         # From `ins`, which may be a part's (`op_specs.part_flops`).
         q = _argument_shape(arguments, ins, 0, "query", batch)

@@ -25,7 +25,8 @@ def search_report(result: Any) -> str:
     else:
         summary = _against_data_parallel(
             "Best simulated step time", result.best_ms,
-            result.data_parallel_ms)
+            result.data_parallel_ms,
+            getattr(result, "batch_split", None))
     lines = [
         "=========== Best Discovered Strategy ==========",
         result.strategy.to_text().rstrip("\n"),
@@ -44,17 +45,32 @@ def search_report(result: Any) -> str:
     return "\n".join(lines)
 
 
-def _against_data_parallel(label: str, ms: float,
-                           data_parallel_ms: float) -> str:
+def _against_data_parallel(
+    label: str, ms: float, data_parallel_ms: float,
+    batch_split: tuple[int, int, int] | None = None,
+) -> str:
     """`label`'s simulated step time `ms` (finite) against data
-    parallelism's, as the search's and the import's reports say it."""
+    parallelism's, as the search's and the import's reports say it.
+
+    `batch_split` is (batch, parts, devices) of that data parallelism:
+    where the batch splits fewer ways than there are devices (a batch of
+    1 on 4 devices), the baseline splits other dims for the rest
+    (`strategy.data_parallel_config`), and the line says so, so that a
+    large speed-up is not read as one over splitting the batch."""
     if math.isinf(data_parallel_ms):
         return (f"{label}: {ms:.3f} ms; data parallelism does not fit in "
                 "device memory.")
     speedup = data_parallel_ms / ms if ms > 0 else float("nan")
-    return (f"{label}: {ms:.3f} ms (data parallelism: "
-            f"{data_parallel_ms:.3f} ms); simulated speed-up over data "
-            f"parallelism: {speedup:.2f}x")
+    baseline = f"data parallelism: {data_parallel_ms:.3f} ms"
+    if batch_split is not None and batch_split[1] < batch_split[2]:
+        batch, parts, devices = batch_split
+        baseline += (
+            f", where a batch of {batch} splits {parts} way"
+            f"{'s' if parts > 1 else ''} over {devices} devices and other "
+            "dims take the rest"
+        )
+    return (f"{label}: {ms:.3f} ms ({baseline}); simulated speed-up over "
+            f"data parallelism: {speedup:.2f}x")
 
 
 def imported_report(

@@ -68,7 +68,7 @@ from flexflow_keras.schedule import no_gc
 from flexflow_keras.search_space import (
     random_config, sweep_configs, tie_shared, twin_groups, weight_ties,
 )
-from flexflow_keras.strategy import Strategy, validate_config
+from flexflow_keras.strategy import Strategy, largest_divisor, validate_config
 
 PROGRESS_EVERY = 100
 # `progress(iterations, best_ms, data_parallel_ms, done)`: how a search
@@ -103,6 +103,10 @@ class SearchResult:
         seed: The seed used (drawn when None was given).
         one_device_ms: Simulated step time of every op on device 0 (ms),
             which the search does not propose (see `search`).
+        batch_split: (batch size, parts its batch splits into under
+            data parallelism, devices); fewer parts than devices where
+            the batch does not divide, so the report says that its
+            "data parallelism" splits other dims too. None: not known.
     """
 
     strategy: Strategy
@@ -114,6 +118,7 @@ class SearchResult:
     interrupted: bool = False
     seed: int | None = None
     one_device_ms: float = math.nan
+    batch_split: tuple[int, int, int] | None = None
 
     @property
     def speedup(self) -> float:
@@ -328,6 +333,9 @@ def search(
         interrupted=interrupted,
         seed=seed,
         one_device_ms=one_device_ms,
+        batch_split=(graph.batch_size,
+                     largest_divisor(graph.batch_size, num_devices),
+                     num_devices),
     )
     if progress is not None:
         progress(chain.iterations, chain.best_ms, data_parallel_ms, True)

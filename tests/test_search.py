@@ -546,6 +546,21 @@ class ReportTest(unittest.TestCase):
         self.assertIn("speed-up over data parallelism: 2.50x after 10 "
                       "iterations", text)
 
+    def test_data_parallel_that_cannot_split_its_batch_says_so(self):
+        """A batch of 1 on 4 devices: the baseline splits other dims,
+        and a speed-up over it is not one over splitting the batch."""
+        graph = mlp_graph(1, (8, 4))
+        result = search_lib.search(graph, FakeSimulator(graph), 4,
+                                   budget=0, seed=0, verbose=0)
+        self.assertEqual(result.batch_split, (1, 1, 4))
+        text = report_lib.search_report(result)
+        self.assertIn("(data parallelism: ", text)
+        self.assertIn(", where a batch of 1 splits 1 way over 4 devices "
+                      "and other dims take the rest); simulated speed-up "
+                      "over data parallelism: ", text)
+        self.assertNotIn("where a batch",
+                         report_lib.search_report(self.make(2.0, 5.0)))
+
     def test_data_parallel_out_of_memory(self):
         text = report_lib.search_report(self.make(2.0, math.inf))
         self.assertIn("data parallelism does not fit in device memory",
