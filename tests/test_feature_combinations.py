@@ -160,6 +160,50 @@ def build_counting_classifier(mod):
     return model
 
 
+class Scale(keras.layers.Layer):
+    """A layer of the user's: a learned scale per channel."""
+
+    def build(self, shape):
+        self.gain = self.add_weight(shape=(shape[-1],), initializer="ones",
+                                    name="gain")
+
+    def call(self, x):
+        return x * self.gain
+
+
+def build_image_model(mod):
+    """Augmentation in the model, a residual block with BatchNormalization
+    and a separable convolution, a layer of the user's, Dropout, an L2
+    penalty, label smoothing, a cosine schedule and a top-k metric, as
+    image scripts put them together. The separable convolution has no
+    bias: before a BatchNormalization its gradient is zero in exact
+    arithmetic, so Adam turns float noise into steps of the learning
+    rate's size and the bias differs from plain Keras's on any split."""
+    augment = mod.Sequential([mod.layers.RandomFlip("horizontal", seed=1),
+                              mod.layers.RandomRotation(0.1, seed=2)],
+                             name="augment")
+    inputs = mod.Input((16, 16, 3))
+    x = mod.layers.Rescaling(1 / 255.0)(augment(inputs))
+    x = mod.layers.Conv2D(8, 3, padding="same", use_bias=False)(x)
+    x = mod.layers.Activation("relu")(mod.layers.BatchNormalization()(x))
+    h = mod.layers.SeparableConv2D(8, 3, padding="same", use_bias=False)(x)
+    x = mod.layers.add([mod.layers.BatchNormalization()(h), x])
+    x = Scale(name="scale")(mod.layers.MaxPooling2D(2)(x))
+    x = mod.layers.Dropout(0.3, seed=4)(mod.layers.GlobalAveragePooling2D()(x))
+    outputs = mod.layers.Dense(
+        5, activation="softmax",
+        kernel_regularizer=keras.regularizers.l2(1e-3))(x)
+    model = mod.Model(inputs, outputs)
+    options = {"search_budget": 30} if mod is fk else {}
+    model.compile(
+        optimizer=keras.optimizers.Adam(
+            keras.optimizers.schedules.CosineDecay(3e-3, 40)),
+        loss=keras.losses.CategoricalCrossentropy(label_smoothing=0.1),
+        metrics=["accuracy", keras.metrics.TopKCategoricalAccuracy(2)],
+        **options)
+    return model
+
+
 def assert_same_weights(runs):
     """`train_plain_and_ours`'s two models hold equal weights."""
     for a, b in zip(runs["plain"][0].get_weights(),
@@ -194,6 +238,53 @@ class FeatureCombinationsTest(unittest.TestCase):
                                    msg=key)
         np.testing.assert_allclose(our_predicted, predicted, atol=1e-6)
         assert_same_weights(runs)
+
+    def test_image_model_restores_its_best_weights_and_trains_on(self):
+        """EarlyStopping puts the best epoch's weights back with
+        `set_weights` after the last epoch; ModelCheckpoint saves the
+        best model to a .keras file. Both sides then evaluate, predict
+        and train one more epoch from those weights, and the file ours
+        saved loads into plain Keras holding what plain Keras saved."""
+        rng = np.random.default_rng(0)
+        x = rng.uniform(0, 255, (96, 16, 16, 3)).astype("float32")
+        y = keras.utils.to_categorical(rng.integers(0, 5, 96), 5)
+        folder = tempfile.mkdtemp()
+
+        def train(model):
+            path = os.path.join(folder, f"{model.name}.keras")
+            data = tf.data.Dataset.from_tensor_slices((x[:80], y[:80]))
+            data = data.shuffle(80, seed=3).batch(16).prefetch(2)
+            history = model.fit(data, validation_data=(x[80:], y[80:]),
+                                epochs=4, verbose=0, callbacks=[
+                                    keras.callbacks.EarlyStopping(
+                                        patience=2,
+                                        restore_best_weights=True),
+                                    keras.callbacks.ModelCheckpoint(
+                                        path, save_best_only=True)])
+            restored = model.evaluate(x[80:], y[80:], verbose=0)
+            predicted = model.predict(x[:10], verbose=0)
+            later = model.fit(x[:80], y[:80], batch_size=16, epochs=1,
+                              shuffle=False, verbose=0).history
+            return history.history, restored, predicted, later, path
+
+        runs = train_plain_and_ours(build_image_model, 7, train)
+        assert_own_step_under_strategy(self, runs)
+        plain, ours = runs["plain"][1], runs["ours"][1]
+        # Stopped early, so the weights put back are not the last ones.
+        self.assertLess(len(plain[0]["loss"]), 4)
+        self.assertEqual(len(ours[0]["loss"]), len(plain[0]["loss"]))
+        for history, our_history in ((plain[0], ours[0]),
+                                     (plain[3], ours[3])):
+            for key, values in history.items():
+                np.testing.assert_allclose(our_history[key], values,
+                                           rtol=1e-5, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(ours[1], plain[1], rtol=1e-5)
+        np.testing.assert_allclose(ours[2], plain[2], atol=1e-6)
+        assert_same_weights(runs)
+        saved = [keras.saving.load_model(run[4], custom_objects={
+            "Scale": Scale}) for run in (plain, ours)]
+        for a, b in zip(saved[0].get_weights(), saved[1].get_weights()):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
     def test_attention_removes_its_inputs_masks_as_in_keras(self):
         x, y, _ = sentences(1)
