@@ -55,16 +55,41 @@ Measured (TF 2.21, 4 virtual CPUs on a busy 2-core VM, --timeout 60;
     view-forward-ABA-Bshard, view-train-AB-Bshard  ok
     view-train-ABA-{Ashard,Bshard,ABshard} (with and without -sgd)  HANG
     nd-forward-ABA, nd-train-ABA, nd-train-ABA-sgd  ok
-So a sub-mesh hangs as soon as data goes A -> B -> A or a gradient goes
-B -> A; two views of the same devices run a round trip only while
-nothing is split (a batch split on either side, with or without updates,
-hangs: the earlier hand measurement had the sharded round trips without
-updates running and B-sharded with updates failing with "Matrix
-size-incompatible"; neither reproduces here). One 2 x 2 mesh with
-per-op layouts trains and updates and matches plain TensorFlow. The
-hangs stay with `--inter-op 16` (checked for sub23-forward-ABA and
+The hangs stay with `--inter-op 16` (checked for sub23-forward-ABA and
 view-train-ABA-Ashard[-sgd]), so they are not a thread pool too small
 for 4 devices on 2 cores.
+
+What made the sharded cases hang (2026-12-02): DTensor's all-reduce
+combining (`DTensorAllReduceCombineOptimization`, on by default). In
+the graph DTensor built for dis-train-AB-Ashard (`TF_DUMP_GRAPH_PREFIX`
+with `TF_CPP_VMODULE=dtensor_device=4`), mesh A's function has ONE
+`CollectiveReduceV2`: the forward's all-gather of `tanh(x @ w1)` before
+its copy to B (`Tanh/DTensorAllGatherOp`) merged with the backward's
+all-reduce of w1's gradient (`.../DTensorAllReduceOp/
+CombinedReduceUpdateSlice`), which needs B's result: a cycle through
+the other mesh that never completes. `--no-combine` runs every case
+with the pass off (`DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION=0`).
+"dis" cases (two disjoint meshes, CPU:0,1 and CPU:2,3) were added then.
+--timeout 40, same VM, 272 s with the pass off; ok = equal to plain
+TensorFlow (loss, gradients, updated weights):
+
+    case                               pass on (default)   pass off
+    dis-forward-ABA[-Ashard,-Bshard]   ok                  ok
+    dis-train-AB, -Bshard              ok                  ok
+    dis-train-AB-Ashard                HANG                ok
+    dis-train-ABA, -sgd                ok                  ok
+    dis-train-ABA-Ashard               HANG                ok
+    dis-train-ABA-ABshard-sgd          HANG                ok
+    view-* (every case, sharded, sgd)  sharded ABA HANG    ok
+    nd-*                               ok                  ok
+    sub23-/sub01-forward-ABA, -train-AB HANG               HANG
+    sub23-/sub01-train-Bonly           ok                  ok
+
+So with the pass off one DTensor function trains over several meshes
+that are disjoint or views of the same devices, split and updated;
+meshes that share some devices but not all (a sub-mesh) still hang,
+even unsplit with no collective at all (their graph has only host
+sends and receives; async eager execution does not help either).
 """
 
 import argparse
@@ -87,7 +112,8 @@ class Case:
     """One probe: which meshes, which way the data flows, what is split.
 
     Args:
-        mesh: "sub23", "sub01", "view" or "nd" (see the module docstring).
+        mesh: "dis", "sub23", "sub01", "view" or "nd" (see the module
+            docstring).
         direction: "forward-ABA", "train-AB", "train-ABA" or
             "train-Bonly".
         sharding: "", "Ashard", "Bshard" or "ABshard".
@@ -122,6 +148,16 @@ class Case:
 
 
 CASES = (
+    Case("dis", "forward-ABA"),
+    Case("dis", "forward-ABA", "Ashard"),
+    Case("dis", "forward-ABA", "Bshard"),
+    Case("dis", "train-AB"),
+    Case("dis", "train-AB", "Ashard"),
+    Case("dis", "train-AB", "Bshard"),
+    Case("dis", "train-ABA"),
+    Case("dis", "train-ABA", sgd=True),
+    Case("dis", "train-ABA", "Ashard"),
+    Case("dis", "train-ABA", "ABshard", sgd=True),
     Case("sub23", "forward-ABA", earlier="HANG"),
     Case("sub23", "train-AB", earlier="HANG"),
     Case("sub23", "train-Bonly", earlier="ok"),
@@ -220,6 +256,12 @@ def meshes_of(dtensor, case: Case) -> tuple:
     For "nd" both are the one 2 x 2 mesh: there the probe is the layouts.
     """
     names = device_names(NUM_DEVICES)
+    if case.mesh == "dis":
+        half = NUM_DEVICES // 2
+        return (dtensor.create_mesh([("a", half)], devices=names[:half],
+                                    mesh_name="A"),
+                dtensor.create_mesh([("b0", half)], devices=names[half:],
+                                    mesh_name="B"))
     if case.mesh == "nd":
         mesh = dtensor.create_mesh([("batch", 2), ("model", 2)],
                                    devices=names, mesh_name="nd")
@@ -391,6 +433,9 @@ def run_case(name: str, inter_op_threads: int) -> str:
 # --- The parent: every case in a subprocess, with a timeout -------------
 
 
+COMBINE_SWITCH = "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"
+
+
 def run_in_subprocess(name: str, timeout_s: float,
                       inter_op_threads: int) -> tuple[str, float]:
     """One case in a fresh Python (its own 4 devices); (result, seconds).
@@ -420,8 +465,10 @@ def print_table(cases: list[Case], timeout_s: float,
                 inter_op_threads: int) -> None:
     """Runs `cases` one after another, printing a row as each ends."""
     width = max(len(case.name) for case in cases) + 2
+    combining = os.environ.get(COMBINE_SWITCH, "default")
     print(f"{NUM_DEVICES} virtual CPUs, timeout {timeout_s:g} s, "
-          f"inter-op threads {inter_op_threads or 'default'}")
+          f"inter-op threads {inter_op_threads or 'default'}, "
+          f"{COMBINE_SWITCH}={combining}")
     print(f"{'case':<{width}}{'earlier':<9}{'seconds':>8}  result")
     total_start = time.perf_counter()
     for case in cases:
@@ -443,9 +490,15 @@ def main() -> None:
     parser.add_argument("--inter-op", type=int, default=0,
                         help="TF inter-op threads per case (0: TF's "
                              "default, one per core).")
+    parser.add_argument("--no-combine", action="store_true",
+                        help="Turn DTensor's all-reduce combining off in "
+                             f"every case ({COMBINE_SWITCH}=0).")
     parser.add_argument("--list", action="store_true",
                         help="Print the case names and exit.")
     args = parser.parse_args()
+    if args.no_combine:
+        # Read by DTensor when it makes its device; children inherit it.
+        os.environ[COMBINE_SWITCH] = "0"
     if args.list:
         print("\n".join(case.name for case in CASES))
     elif args.case:
