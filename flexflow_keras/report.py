@@ -26,7 +26,7 @@ def search_report(result: Any) -> str:
         summary = _against_data_parallel(
             "Best simulated step time", result.best_ms,
             result.data_parallel_ms,
-            getattr(result, "batch_split", None))
+            result.batch_split)
     lines = [
         "=========== Best Discovered Strategy ==========",
         result.strategy.to_text().rstrip("\n"),

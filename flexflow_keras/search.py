@@ -68,7 +68,7 @@ from flexflow_keras.schedule import no_gc
 from flexflow_keras.search_space import (
     random_config, sweep_configs, tie_shared, twin_groups, weight_ties,
 )
-from flexflow_keras.strategy import Strategy, largest_divisor, validate_config
+from flexflow_keras.strategy import Strategy, validate_config
 
 PROGRESS_EVERY = 100
 # `progress(iterations, best_ms, data_parallel_ms, done)`: how a search
@@ -333,8 +333,10 @@ def search(
         interrupted=interrupted,
         seed=seed,
         one_device_ms=one_device_ms,
+        # As the baseline split it (`data_parallel_config`'s rule).
         batch_split=(graph.batch_size,
-                     largest_divisor(graph.batch_size, num_devices),
+                     max((c.dims[0] for c in data_parallel.values()),
+                         default=1),
                      num_devices),
     )
     if progress is not None:
