@@ -31,6 +31,12 @@ The cases (`--list` prints them), named `MESH-DIRECTION[-SHARDING][-sgd]`:
              activation copied in); ABshard: both. Weights replicated.
   -sgd       the function also applies `w -= 0.1 * grad` (the gradient
              relaid to its variable's layout first).
+  -counter   with -sgd: the rate is 0.1 / a step counter, one variable on
+             mesh A that the step increments and copies to B for w2's
+             update, as a Keras optimizer reads its `iterations` (and a
+             schedule its rate) in every weight's update. Used on B as
+             it is, DTensor refuses it ("All inputs to
+             `tf_device.Cluster` must have same mesh configuration").
 
 Each case runs in its own subprocess with a timeout, because the failure
 being probed is a hang (DTensor's per-mesh functions waiting on each
@@ -80,6 +86,7 @@ TensorFlow (loss, gradients, updated weights):
     dis-train-ABA, -sgd                ok                  ok
     dis-train-ABA-Ashard               HANG                ok
     dis-train-ABA-ABshard-sgd          HANG                ok
+    dis-/view-train-ABA-ABshard-sgd-counter  (not run)     ok
     view-* (every case, sharded, sgd)  sharded ABA HANG    ok
     nd-*                               ok                  ok
     sub23-/sub01-forward-ABA, -train-AB HANG               HANG
@@ -126,12 +133,14 @@ class Case:
     direction: str
     sharding: str = ""
     sgd: bool = False
+    counter: bool = False
     earlier: str = ""
 
     @property
     def name(self) -> str:
         parts = [self.mesh, self.direction, self.sharding,
-                 "sgd" if self.sgd else ""]
+                 "sgd" if self.sgd else "",
+                 "counter" if self.counter else ""]
         return "-".join(p for p in parts if p)
 
     @property
@@ -158,6 +167,7 @@ CASES = (
     Case("dis", "train-ABA", sgd=True),
     Case("dis", "train-ABA", "Ashard"),
     Case("dis", "train-ABA", "ABshard", sgd=True),
+    Case("dis", "train-ABA", "ABshard", sgd=True, counter=True),
     Case("sub23", "forward-ABA", earlier="HANG"),
     Case("sub23", "train-AB", earlier="HANG"),
     Case("sub23", "train-Bonly", earlier="ok"),
@@ -176,6 +186,7 @@ CASES = (
     Case("view", "train-ABA", "Ashard", sgd=True),
     Case("view", "train-ABA", "Bshard", sgd=True, earlier="ERROR"),
     Case("view", "train-ABA", "ABshard", sgd=True, earlier="HANG"),
+    Case("view", "train-ABA", "ABshard", sgd=True, counter=True),
     Case("nd", "forward-ABA"),
     Case("nd", "train-ABA", earlier="ok"),
     Case("nd", "train-ABA", sgd=True, earlier="ok"),
@@ -352,6 +363,9 @@ def build(dtensor, tf, case: Case):
         return two_mesh_loss(dtensor, tf, case, mesh_a, mesh_b, x,
                              weights["w1"], weights["w2"])
 
+    counter = dtensor.DVariable(dtensor.copy_to_mesh(
+        tf.constant(0.0), dtensor.Layout.replicated(mesh_a, 0)))
+
     def step(x):
         if not case.trains:
             return loss_of(x), []
@@ -360,9 +374,18 @@ def build(dtensor, tf, case: Case):
             loss = loss_of(x)
         grads = tape.gradient(loss, chosen)
         if case.sgd:
+            rates = {}
+            if case.counter:
+                counter.assign_add(1.0)
+                on_a = LEARNING_RATE / counter  # 0.1 at the first step
+                rates = {mesh_a: on_a,
+                         mesh_b: move(dtensor, on_a, mesh_a,
+                                      dtensor.Layout.replicated(mesh_b, 0))}
             for weight, grad in zip(chosen, grads):
                 grad = dtensor.relayout(grad, weight.layout)
-                weight.assign_sub(LEARNING_RATE * grad)
+                rate = (rates[weight.layout.mesh] if case.counter
+                        else LEARNING_RATE)
+                weight.assign_sub(rate * grad)
         return loss, grads
 
     return x, weights, tf.function(step, autograph=False)

@@ -41,8 +41,11 @@ def probe(case: str) -> str:
 class SeveralMeshesTest(unittest.TestCase):
     def test_disjoint_meshes_train_split_and_updated(self):
         """x @ w1 on CPU:0,1, @ w2 on CPU:2,3, the loss back on 0,1,
-        the batch split on both, SGD on both weights."""
-        self.assertEqual(probe("dis-train-ABA-ABshard-sgd"), "RESULT ok")
+        the batch split on both, SGD on both weights at a rate read from
+        one step counter on the first mesh, copied to the second (as an
+        optimizer's `iterations`)."""
+        self.assertEqual(probe("dis-train-ABA-ABshard-sgd-counter"),
+                         "RESULT ok")
 
     def test_views_of_the_same_devices_train_split_and_updated(self):
         """A 1-D mesh and a 2 x 2 mesh over the same 4 devices: with the
