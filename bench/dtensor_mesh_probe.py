@@ -16,7 +16,9 @@ then `dtensor.copy_to_mesh` to a replicated layout on the other (then a
 relayout to a sharded one where the case shards).
 
 The cases (`--list` prints them), named `MESH-DIRECTION[-SHARDING][-sgd]`:
-  MESH       sub23 / sub01: A is a 1-D mesh over CPU:0..3, B a separate
+  MESH       dis: A is a 1-D mesh over CPU:0,1, B one over CPU:2,3;
+             one: A over CPU:0,1, B over CPU:2 alone;
+             sub23 / sub01: A is a 1-D mesh over CPU:0..3, B a separate
              1-D mesh over CPU:2,3 / CPU:0,1 (a sub-mesh);
              view: B is a 2 x 2 mesh over the SAME 4 devices as A;
              nd: one 2 x 2 mesh, no copies: each op has its own layouts
@@ -87,6 +89,7 @@ TensorFlow (loss, gradients, updated weights):
     dis-train-ABA-Ashard               HANG                ok
     dis-train-ABA-ABshard-sgd          HANG                ok
     dis-/view-train-ABA-ABshard-sgd-counter  (not run)     ok
+    one-forward-ABA, one-train-ABA-sgd (not run)           HANG
     view-* (every case, sharded, sgd)  sharded ABA HANG    ok
     nd-*                               ok                  ok
     sub23-/sub01-forward-ABA, -train-AB HANG               HANG
@@ -96,7 +99,11 @@ So with the pass off one DTensor function trains over several meshes
 that are disjoint or views of the same devices, split and updated;
 meshes that share some devices but not all (a sub-mesh) still hang,
 even unsplit with no collective at all (their graph has only host
-sends and receives; async eager execution does not help either).
+sends and receives; async eager execution does not help either), and
+so does a round trip through a mesh of ONE device ("one": A is CPU:0,1,
+B is CPU:2 alone; cause not found: dtensor_device.cc starts every
+mesh's function, then joins them in order, so the per-mesh functions do
+run at once).
 """
 
 import argparse
@@ -119,8 +126,8 @@ class Case:
     """One probe: which meshes, which way the data flows, what is split.
 
     Args:
-        mesh: "dis", "sub23", "sub01", "view" or "nd" (see the module
-            docstring).
+        mesh: "dis", "one", "sub23", "sub01", "view" or "nd" (see the
+            module docstring).
         direction: "forward-ABA", "train-AB", "train-ABA" or
             "train-Bonly".
         sharding: "", "Ashard", "Bshard" or "ABshard".
@@ -168,6 +175,8 @@ CASES = (
     Case("dis", "train-ABA", "Ashard"),
     Case("dis", "train-ABA", "ABshard", sgd=True),
     Case("dis", "train-ABA", "ABshard", sgd=True, counter=True),
+    Case("one", "forward-ABA"),
+    Case("one", "train-ABA", sgd=True),
     Case("sub23", "forward-ABA", earlier="HANG"),
     Case("sub23", "train-AB", earlier="HANG"),
     Case("sub23", "train-Bonly", earlier="ok"),
@@ -267,6 +276,11 @@ def meshes_of(dtensor, case: Case) -> tuple:
     For "nd" both are the one 2 x 2 mesh: there the probe is the layouts.
     """
     names = device_names(NUM_DEVICES)
+    if case.mesh == "one":
+        return (dtensor.create_mesh([("a", 2)], devices=names[:2],
+                                    mesh_name="A"),
+                dtensor.create_mesh([("b0", 1)], devices=names[2:3],
+                                    mesh_name="B"))
     if case.mesh == "dis":
         half = NUM_DEVICES // 2
         return (dtensor.create_mesh([("a", half)], devices=names[:half],
