@@ -18,6 +18,8 @@ relayout to a sharded one where the case shards).
 The cases (`--list` prints them), named `MESH-DIRECTION[-SHARDING][-sgd]`:
   MESH       dis: A is a 1-D mesh over CPU:0,1, B one over CPU:2,3;
              one: A over CPU:0,1, B over CPU:2 alone;
+             r3: A over CPU:0,1,2, B over CPU:3 alone;
+             ov: A over CPU:0,1, B over CPU:1,2 (overlapping, same size);
              sub23 / sub01: A is a 1-D mesh over CPU:0..3, B a separate
              1-D mesh over CPU:2,3 / CPU:0,1 (a sub-mesh);
              view: B is a 2 x 2 mesh over the SAME 4 devices as A;
@@ -77,8 +79,9 @@ all-reduce of w1's gradient (`.../DTensorAllReduceOp/
 CombinedReduceUpdateSlice`), which needs B's result: a cycle through
 the other mesh that never completes. `--no-combine` runs every case
 with the pass off (`DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION=0`).
-"dis" cases (two disjoint meshes, CPU:0,1 and CPU:2,3) were added then.
---timeout 40, same VM, 272 s with the pass off; ok = equal to plain
+The dis, one, r3, ov and -counter cases were added then. Same VM;
+pass on: --timeout 40 (the first 10 dis cases, then the earlier ones);
+pass off: every case, --timeout 30, 349 s; ok = equal to plain
 TensorFlow (loss, gradients, updated weights):
 
     case                               pass on (default)   pass off
@@ -90,20 +93,22 @@ TensorFlow (loss, gradients, updated weights):
     dis-train-ABA-ABshard-sgd          HANG                ok
     dis-/view-train-ABA-ABshard-sgd-counter  (not run)     ok
     one-forward-ABA, one-train-ABA-sgd (not run)           HANG
+    r3-forward-ABA                     (not run)           HANG
+    ov-forward-ABA, ov-train-ABA-ABshard-sgd[-counter] (not run) ok
     view-* (every case, sharded, sgd)  sharded ABA HANG    ok
     nd-*                               ok                  ok
     sub23-/sub01-forward-ABA, -train-AB HANG               HANG
     sub23-/sub01-train-Bonly           ok                  ok
 
 So with the pass off one DTensor function trains over several meshes
-that are disjoint or views of the same devices, split and updated;
-meshes that share some devices but not all (a sub-mesh) still hang,
-even unsplit with no collective at all (their graph has only host
-sends and receives; async eager execution does not help either), and
-so does a round trip through a mesh of ONE device ("one": A is CPU:0,1,
-B is CPU:2 alone; cause not found: dtensor_device.cc starts every
-mesh's function, then joins them in order, so the per-mesh functions do
-run at once).
+that have the SAME NUMBER OF DEVICES, split and updated, whether they
+are disjoint (dis), overlap (ov: CPU:0,1 and CPU:1,2) or are views of
+the same devices (view); a round trip between meshes of different sizes
+hangs, disjoint or not, even unsplit with no collective at all (sub23,
+sub01: 4 and 2 devices; one: 2 and 1; r3: 3 and 1; their graphs have
+only host sends and receives, and async eager execution does not help).
+dtensor_device.cc starts every mesh's function, then joins them, so the
+functions do run at once; why unequal sizes hang was not found.
 """
 
 import argparse
@@ -126,8 +131,8 @@ class Case:
     """One probe: which meshes, which way the data flows, what is split.
 
     Args:
-        mesh: "dis", "one", "sub23", "sub01", "view" or "nd" (see the
-            module docstring).
+        mesh: "dis", "one", "r3", "ov", "sub23", "sub01", "view" or
+            "nd" (see the module docstring).
         direction: "forward-ABA", "train-AB", "train-ABA" or
             "train-Bonly".
         sharding: "", "Ashard", "Bshard" or "ABshard".
@@ -177,6 +182,10 @@ CASES = (
     Case("dis", "train-ABA", "ABshard", sgd=True, counter=True),
     Case("one", "forward-ABA"),
     Case("one", "train-ABA", sgd=True),
+    Case("r3", "forward-ABA"),
+    Case("ov", "forward-ABA"),
+    Case("ov", "train-ABA", "ABshard", sgd=True),
+    Case("ov", "train-ABA", "ABshard", sgd=True, counter=True),
     Case("sub23", "forward-ABA", earlier="HANG"),
     Case("sub23", "train-AB", earlier="HANG"),
     Case("sub23", "train-Bonly", earlier="ok"),
@@ -276,6 +285,16 @@ def meshes_of(dtensor, case: Case) -> tuple:
     For "nd" both are the one 2 x 2 mesh: there the probe is the layouts.
     """
     names = device_names(NUM_DEVICES)
+    if case.mesh == "ov":
+        return (dtensor.create_mesh([("a", 2)], devices=names[:2],
+                                    mesh_name="A"),
+                dtensor.create_mesh([("b0", 2)], devices=names[1:3],
+                                    mesh_name="B"))
+    if case.mesh == "r3":
+        return (dtensor.create_mesh([("a", 3)], devices=names[:3],
+                                    mesh_name="A"),
+                dtensor.create_mesh([("b0", 1)], devices=names[3:],
+                                    mesh_name="B"))
     if case.mesh == "one":
         return (dtensor.create_mesh([("a", 2)], devices=names[:2],
                                     mesh_name="A"),

@@ -4,8 +4,8 @@ The model's own step runs on one mesh because a function over several
 meshes hung in training (docs/ARCHITECTURE.md). The hangs of split
 cases were DTensor's all-reduce combining merging a forward collective
 with a backward one through the other mesh; without the pass, meshes
-that are disjoint or views of the same devices train, split and
-updated, equal to plain TensorFlow. Operator placement inside a user's
+of the same number of devices (disjoint, overlapping, or views of the
+same devices) train, split and updated, equal to plain TensorFlow. Operator placement inside a user's
 step would rest on that fact, so it is checked here on the installed
 TensorFlow: each case of `bench/dtensor_mesh_probe.py` runs in a fresh
 process (DTensor reads the switch when it makes its device), with a
@@ -45,6 +45,12 @@ class SeveralMeshesTest(unittest.TestCase):
         one step counter on the first mesh, copied to the second (as an
         optimizer's `iterations`)."""
         self.assertEqual(probe("dis-train-ABA-ABshard-sgd-counter"),
+                         "RESULT ok")
+
+    def test_overlapping_meshes_of_one_size_train_split_and_updated(self):
+        """CPU:0,1 and CPU:1,2: the device they share runs a part of
+        both meshes' functions."""
+        self.assertEqual(probe("ov-train-ABA-ABshard-sgd-counter"),
                          "RESULT ok")
 
     def test_views_of_the_same_devices_train_split_and_updated(self):
