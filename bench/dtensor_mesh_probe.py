@@ -279,47 +279,37 @@ def device_names(count: int) -> list[str]:
             for i in range(count)]
 
 
+# Two 1-D meshes by case kind: the device indices of A and of B.
+ONE_D_MESHES = {
+    "dis": ((0, 1), (2, 3)),
+    "ov": ((0, 1), (1, 2)),
+    "one": ((0, 1), (2,)),
+    "r3": ((0, 1, 2), (3,)),
+    "sub23": ((0, 1, 2, 3), (2, 3)),
+    "sub01": ((0, 1, 2, 3), (0, 1)),
+}
+
+
 def meshes_of(dtensor, case: Case) -> tuple:
     """Mesh A (weight w1, input x) and mesh B (weight w2).
 
     For "nd" both are the one 2 x 2 mesh: there the probe is the layouts.
     """
     names = device_names(NUM_DEVICES)
-    if case.mesh == "ov":
-        return (dtensor.create_mesh([("a", 2)], devices=names[:2],
-                                    mesh_name="A"),
-                dtensor.create_mesh([("b0", 2)], devices=names[1:3],
-                                    mesh_name="B"))
-    if case.mesh == "r3":
-        return (dtensor.create_mesh([("a", 3)], devices=names[:3],
-                                    mesh_name="A"),
-                dtensor.create_mesh([("b0", 1)], devices=names[3:],
-                                    mesh_name="B"))
-    if case.mesh == "one":
-        return (dtensor.create_mesh([("a", 2)], devices=names[:2],
-                                    mesh_name="A"),
-                dtensor.create_mesh([("b0", 1)], devices=names[2:3],
-                                    mesh_name="B"))
-    if case.mesh == "dis":
-        half = NUM_DEVICES // 2
-        return (dtensor.create_mesh([("a", half)], devices=names[:half],
-                                    mesh_name="A"),
-                dtensor.create_mesh([("b0", half)], devices=names[half:],
-                                    mesh_name="B"))
     if case.mesh == "nd":
         mesh = dtensor.create_mesh([("batch", 2), ("model", 2)],
                                    devices=names, mesh_name="nd")
         return mesh, mesh
-    mesh_a = dtensor.create_mesh([("a", NUM_DEVICES)], devices=names,
-                                 mesh_name="A")
     if case.mesh == "view":
-        mesh_b = dtensor.create_mesh([("b0", 2), ("b1", 2)],
-                                     devices=names, mesh_name="B")
-    else:
-        first = 2 if case.mesh == "sub23" else 0
-        mesh_b = dtensor.create_mesh(
-            [("b0", 2)], devices=names[first:first + 2], mesh_name="B")
-    return mesh_a, mesh_b
+        return (dtensor.create_mesh([("a", NUM_DEVICES)], devices=names,
+                                    mesh_name="A"),
+                dtensor.create_mesh([("b0", 2), ("b1", 2)], devices=names,
+                                    mesh_name="B"))
+    a, b = ONE_D_MESHES[case.mesh]
+    return (dtensor.create_mesh([("a", len(a))],
+                                devices=[names[i] for i in a], mesh_name="A"),
+            dtensor.create_mesh([("b0", len(b))],
+                                devices=[names[i] for i in b], mesh_name="B"))
 
 
 def batch_split(dtensor, mesh, split: bool):
