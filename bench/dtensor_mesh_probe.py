@@ -387,7 +387,8 @@ def build(dtensor, tf, case: Case):
                              weights["w1"], weights["w2"])
 
     counter = dtensor.DVariable(dtensor.copy_to_mesh(
-        tf.constant(0.0), dtensor.Layout.replicated(mesh_a, 0)))
+        tf.constant(0.0), dtensor.Layout.replicated(mesh_a, 0))
+    ) if case.counter else None
 
     def step(x):
         if not case.trains:

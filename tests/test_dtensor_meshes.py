@@ -5,37 +5,31 @@ meshes hung in training (docs/ARCHITECTURE.md). The hangs of split
 cases were DTensor's all-reduce combining merging a forward collective
 with a backward one through the other mesh; without the pass, meshes
 of the same number of devices (disjoint, overlapping, or views of the
-same devices) train, split and updated, equal to plain TensorFlow. Operator placement inside a user's
-step would rest on that fact, so it is checked here on the installed
-TensorFlow: each case of `bench/dtensor_mesh_probe.py` runs in a fresh
-process (DTensor reads the switch when it makes its device), with a
-timeout, since the failure it guards against is a hang.
+same devices) train, split and updated, equal to plain TensorFlow.
+Operator placement inside a user's step would rest on that fact, so it
+is checked here on the installed TensorFlow: each case of
+`bench/dtensor_mesh_probe.py` runs in a fresh process (DTensor reads
+the switch when it makes its device), with a timeout, since the failure
+it guards against is a hang.
 """
 
 import os
-import subprocess
-import sys
 import unittest
+from unittest import mock
 
-PROBE = os.path.join(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))), "bench", "dtensor_mesh_probe.py")
+import dtensor_mesh_probe  # bench/, on the path by conftest
+
 # A case takes about 4 s; a hung one would wait for ever.
 TIMEOUT_S = 120
 
 
 def probe(case: str) -> str:
-    """The probe's result line for `case`, run with combining off."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION="0")
-    try:
-        done = subprocess.run([sys.executable, PROBE, "--case", case],
-                              capture_output=True, text=True, env=env,
-                              timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return f"HANG (no result in {TIMEOUT_S} s)"
-    results = [line for line in done.stdout.splitlines()
-               if line.startswith("RESULT ")]
-    return results[-1] if results else done.stderr[-2000:]
+    """The probe's result for `case` ("ok", "WRONG: ...", "HANG ..."),
+    run in its own process with combining off."""
+    with mock.patch.dict(os.environ,
+                         {dtensor_mesh_probe.COMBINE_SWITCH: "0"}):
+        result, _ = dtensor_mesh_probe.run_in_subprocess(case, TIMEOUT_S, 0)
+    return result
 
 
 class SeveralMeshesTest(unittest.TestCase):
@@ -44,19 +38,17 @@ class SeveralMeshesTest(unittest.TestCase):
         the batch split on both, SGD on both weights at a rate read from
         one step counter on the first mesh, copied to the second (as an
         optimizer's `iterations`)."""
-        self.assertEqual(probe("dis-train-ABA-ABshard-sgd-counter"),
-                         "RESULT ok")
+        self.assertEqual(probe("dis-train-ABA-ABshard-sgd-counter"), "ok")
 
     def test_overlapping_meshes_of_one_size_train_split_and_updated(self):
         """CPU:0,1 and CPU:1,2: the device they share runs a part of
         both meshes' functions."""
-        self.assertEqual(probe("ov-train-ABA-ABshard-sgd-counter"),
-                         "RESULT ok")
+        self.assertEqual(probe("ov-train-ABA-ABshard-sgd-counter"), "ok")
 
     def test_views_of_the_same_devices_train_split_and_updated(self):
         """A 1-D mesh and a 2 x 2 mesh over the same 4 devices: with the
         pass on, this case hung."""
-        self.assertEqual(probe("view-train-ABA-ABshard-sgd"), "RESULT ok")
+        self.assertEqual(probe("view-train-ABA-ABshard-sgd"), "ok")
 
 
 if __name__ == "__main__":
