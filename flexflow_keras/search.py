@@ -68,7 +68,7 @@ from flexflow_keras.schedule import no_gc
 from flexflow_keras.search_space import (
     random_config, sweep_configs, tie_shared, twin_groups, weight_ties,
 )
-from flexflow_keras.strategy import Strategy, validate_config
+from flexflow_keras.strategy import ParallelConfig, Strategy, validate_config
 
 PROGRESS_EVERY = 100
 # `progress(iterations, best_ms, data_parallel_ms, done)`: how a search
@@ -152,6 +152,7 @@ def search(
     sweep: float = SWEEP_SHARE,
     mesh: MeshSpec | None = None,
     progress: "Progress | None" = None,
+    choices: dict[str, list[ParallelConfig]] | None = None,
 ) -> SearchResult:
     """Runs FlexFlow's MCMC search for `budget` iterations.
 
@@ -187,6 +188,10 @@ def search(
             axes), starting from `mesh_data_parallel`; for models that
             run their own training step (`search_meshes` chooses the
             mesh). None: the whole SOAP space.
+        choices: Search only these configs, per op name (every op
+            named), starting from each op's first unless `initial` is
+            given; `mesh` is the case of one mesh's configs. Not with
+            `mesh`.
         relative_alpha: Without `alpha`, a proposal slower by a
             fraction r of the current step is accepted with probability
             exp(-relative_alpha * r).
@@ -227,8 +232,22 @@ def search(
     data_parallel = Strategy.data_parallel(graph, num_devices)
     if one_mesh_parts is not None and mesh is None:
         mesh = MeshSpec.first((one_mesh_parts,))
-    if mesh is not None and initial is None:
-        initial = mesh_data_parallel(graph, mesh)
+    if mesh is not None and choices is not None:
+        raise ValueError("Pass `mesh` or `choices`, not both.")
+    if mesh is not None:
+        choices = {op.name: mesh_configs(op, mesh) for op in graph.ops}
+        if initial is None:
+            initial = mesh_data_parallel(graph, mesh)
+    if choices is not None:
+        missing = [op.name for op in graph.ops if not choices.get(op.name)]
+        if missing:
+            raise ValueError(
+                "`choices` must give configs for every op. Received none "
+                f"for: {missing}"
+            )
+        if initial is None:
+            initial = Strategy({op.name: choices[op.name][0]
+                                for op in graph.ops})
     current = data_parallel if initial is None else initial
     current.validate(graph, num_devices)
     current, _ = tie_shared(graph, current)
@@ -257,9 +276,7 @@ def search(
         sort keeps graph order among equals)."""
         return -graph.op(names[0]).trainable_weight_bytes
 
-    mesh_choices = {} if mesh is None else {
-        op.name: mesh_configs(op, mesh) for op in ops
-    }
+    mesh_choices = choices or {}
     used = _DeviceUse(graph, current) if num_devices > 1 else None
     step = _Stepper(chain, simulator, used, alpha, relative_alpha, rng,
                     out if verbose >= 2 else None,

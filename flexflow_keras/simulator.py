@@ -81,6 +81,10 @@ class Simulator:
         optimizer_slots: Variables per weight the optimizer keeps: 0 for
             SGD, 1 for momentum, 2 for Adam, 3 for AMSGrad or centered
             RMSprop with momentum.
+        between_meshes: How a move between two meshes is priced:
+            "regions", as the layer-by-layer executor copies it, or
+            "replicated", as one DTensor function would
+            (`taskgraph.replicated_pairs`; `bench/one_function_bench.py`).
     """
 
     def __init__(
@@ -89,7 +93,14 @@ class Simulator:
         machine: MachineModel,
         cost_model: CostModel | None = None,
         optimizer_slots: int = 0,
+        between_meshes: str = "regions",
     ):
+        if between_meshes not in taskgraph.BETWEEN_MESHES:
+            raise ValueError(
+                "`between_meshes` must be one of "
+                f"{taskgraph.BETWEEN_MESHES}. Received: "
+                f"between_meshes={between_meshes!r}"
+            )
         if not isinstance(optimizer_slots, int) or optimizer_slots < 0:
             raise ValueError(
                 "`optimizer_slots` must be an int >= 0 (0 for SGD, 1 for "
@@ -99,6 +110,7 @@ class Simulator:
         self.graph, self.machine = graph, machine
         self.cost = cost_model or CostModel(machine)
         self.slots = optimizer_slots
+        self.between_meshes = between_meshes
         self._ops = graph.ops
         self._index = {op.name: i for i, op in enumerate(self._ops)}
         self._families = taskgraph.families(graph)
@@ -229,7 +241,7 @@ class Simulator:
             return taskgraph.edge_piece(
                 self.machine, producer, self._index[slot.producer],
                 configs[slot.producer], op, i, configs[name],
-                slot.input_index,
+                slot.input_index, self.between_meshes,
             )
         family = [
             (self.graph.op(n), self._index[n], configs[n])

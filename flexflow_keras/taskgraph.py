@@ -32,6 +32,7 @@ from flexflow_keras import partition
 from flexflow_keras.cost import CostModel
 from flexflow_keras.graph import Op, OpGraph
 from flexflow_keras.machine import MachineModel
+from flexflow_keras.mesh_space import share_a_mesh
 from flexflow_keras.search_space import mesh_key
 from flexflow_keras.strategy import ParallelConfig
 
@@ -145,6 +146,7 @@ def edge_piece(
     consumer_index: int,
     consumer_config: ParallelConfig,
     input_index: int,
+    between_meshes: str = "regions",
 ) -> Piece:
     """Transfers (or plain dependencies) for one consumer input.
 
@@ -157,12 +159,46 @@ def edge_piece(
     On one mesh DTensor relays out, by collectives (`_relayouts`);
     between meshes the runtime copies regions (`runtime/moves.py`),
     transfers that `MachineModel.copy_route` prices where it differs
-    from the links (`_region_transfers`)."""
+    from the links (`_region_transfers`).
+
+    `between_meshes`: "regions" (that copy), or "replicated": a move
+    between two configs that no one mesh holds (`share_a_mesh`) and
+    that split differently, as one DTensor function makes it
+    (`replicated_pairs`), for pricing what that route would cost
+    (`bench/one_function_bench.py`). Moves that one mesh holds are
+    priced as under "regions"."""
+    if between_meshes not in BETWEEN_MESHES:
+        raise ValueError(
+            f"`between_meshes` must be one of {BETWEEN_MESHES}. "
+            f"Received: between_meshes={between_meshes!r}"
+        )
     b = _Builder()
     tensor = consumer.inputs[input_index]
     itemsize = np.dtype(producer.dtype).itemsize
     n_p, n_c = producer_config.num_parts, consumer_config.num_parts
     relaid = one_mesh(producer_config, consumer_config)
+    if (between_meshes == "replicated" and not relaid
+            and producer_config.dims != consumer_config.dims
+            and not share_a_mesh(producer_config, consumer_config,
+                                 machine.num_devices)):
+        pairs = replicated_pairs(
+            producer, producer.outputs.index(tensor), producer_config.dims,
+            consumer, input_index, consumer_config.dims,
+        )
+        if producer_config.device_ids != consumer_config.device_ids:
+            return _region_transfers(
+                machine, pairs, (producer_index, producer_config),
+                (consumer_index, consumer_config, input_index),
+                (consumer.name, tensor), itemsize,
+            )
+        # Two views of the same devices, part k of each on device k: the
+        # gather to replicated is one collective (`_relayouts`).
+        _relayouts(b, machine, pairs.tolist(), (producer_index, n_p),
+                   (consumer_index, n_c), consumer_config.device_ids,
+                   (priority(consumer_index, XFER_FWD, input_index << 12),
+                    priority(consumer_index, XFER_BWD, input_index << 12)),
+                   (consumer.name, tensor), itemsize)
+        return b.piece()
     pairs = overlap_array(
         producer, producer.outputs.index(tensor), producer_config.dims,
         consumer, input_index, consumer_config.dims, relaid,
@@ -179,6 +215,43 @@ def edge_piece(
         (consumer_index, consumer_config, input_index),
         (consumer.name, tensor), itemsize,
     )
+
+
+# How a move between two meshes is priced (`edge_piece`).
+BETWEEN_MESHES = ("regions", "replicated")
+
+
+@functools.lru_cache(maxsize=1024)
+def replicated_pairs(
+    producer: Op, output: int, producer_dims: tuple[int, ...],
+    consumer: Op, input_index: int, consumer_dims: tuple[int, ...],
+) -> np.ndarray:
+    """`overlap_array`'s rows for a move between two meshes inside one
+    DTensor function: every consumer part receives every producer part
+    (forward), and every producer part the input region of every
+    consumer part (the gradient, backward).
+
+    Why: `dtensor.copy_to_mesh` copies only replicated layouts, or
+    sharded ones one to one (the same split on both meshes), so a value
+    whose split changes between meshes is relaid out to replicated on
+    its mesh, copied, and sliced on the other; its gradient goes back
+    the same way. Pairs on one device cost nothing (`_region_transfers`
+    makes them plain dependencies). Cached as `overlap_array`."""
+    held = partition.tensor_rects(producer, output, producer_dims)
+    parts = [
+        partition.input_region(consumer, input_index, rect)
+        for rect in partition.part_rects(consumer.output_shape, consumer_dims)
+    ]
+    sizes = [0 if r is None else int(np.prod([hi - lo for lo, hi in r]))
+             for r in held]
+    rows = [
+        (i, j, sizes[j], int(np.prod([hi - lo for lo, hi in region])))
+        for i, region in enumerate(parts)
+        for j in range(len(held)) if sizes[j]
+    ]
+    array = np.array(rows, np.int64).reshape(-1, 4)
+    array.setflags(write=False)
+    return array
 
 
 def _region_transfers(machine, pairs, producer, consumer, names,

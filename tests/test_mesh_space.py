@@ -174,5 +174,47 @@ class SearchMeshesTest(unittest.TestCase):
                                sim.simulate(result.strategy).step_ms)
 
 
+class ShareAMeshTest(unittest.TestCase):
+    """`share_a_mesh`: whether one DTensor mesh holds two configs, so a
+    value moves between them by a relayout (`taskgraph.edge_piece`
+    prices moves between meshes apart)."""
+
+    def test_blocks_of_one_mesh_share_it(self):
+        cases = [
+            # Rows and columns over the same 4 devices: the 1-D mesh.
+            ((4, 1), (0, 1, 2, 3), (1, 4), (0, 1, 2, 3)),
+            # Two axes of a 2 x 2 mesh, each the block of its first row
+            # or column.
+            ((2, 1), (0, 1), (1, 2), (0, 2)),
+            # Unsplit: replicated on any mesh with its device first.
+            ((1, 1), (0,), (2, 2), (0, 1, 2, 3)),
+            # On devices 0, 1 of a 4-device machine: the mesh 0..1.
+            ((2, 1), (0, 1), (1, 2), (0, 1)),
+        ]
+        for dims_a, devices_a, dims_b, devices_b in cases:
+            a = ParallelConfig(dims_a, devices_a)
+            b = ParallelConfig(dims_b, devices_b)
+            with self.subTest(a=a, b=b):
+                self.assertTrue(mesh_space.share_a_mesh(a, b, 4))
+                self.assertTrue(mesh_space.share_a_mesh(b, a, 4))
+
+    def test_configs_on_no_common_mesh(self):
+        cases = [
+            # 16-way rows beside a 2 x 8 split: a layout shards a dim
+            # over one axis, so no one mesh holds both.
+            ((16, 1), tuple(range(16)), (2, 8), tuple(range(16)), 16),
+            # Other devices (2, 3): no mesh over devices 0..k-1 has
+            # them as its first block.
+            ((2, 1), (0, 1), (2, 1), (2, 3), 4),
+            # 4 devices in another order than any mesh's rows.
+            ((4, 1), (0, 1, 2, 3), (4, 1), (0, 2, 1, 3), 4),
+        ]
+        for dims_a, devices_a, dims_b, devices_b, n in cases:
+            a = ParallelConfig(dims_a, devices_a)
+            b = ParallelConfig(dims_b, devices_b)
+            with self.subTest(a=a, b=b):
+                self.assertFalse(mesh_space.share_a_mesh(a, b, n))
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -150,6 +150,39 @@ class SearchTest(unittest.TestCase):
             self.graph, simulator, 4, budget, seed=seed, verbose=0, **kwargs
         )
 
+    def test_choices_keep_every_op_to_its_own_configs(self):
+        # Per op, data parallelism over 4 or over 2 devices, or whole on
+        # device 3: whatever the chain proposes stays among them.
+        choices = {
+            op.name: [ParallelConfig((4, 1), (0, 1, 2, 3)),
+                      ParallelConfig((2, 1), (0, 1)),
+                      ParallelConfig((1, 1), (3,))]
+            for op in self.graph
+        }
+        result = self.run_search(choices=choices)
+        for op in self.graph:
+            self.assertIn(result.strategy[op.name], choices[op.name])
+        # Started from each op's first config: data parallelism.
+        start = Strategy({n: c[0] for n, c in choices.items()})
+        self.assertLessEqual(
+            result.best_ms, FakeSimulator(self.graph).cost(start).step_ms
+        )
+
+    def test_choices_must_cover_every_op_and_not_come_with_a_mesh(self):
+        from flexflow_keras.mesh_space import MeshSpec
+
+        first = self.graph.ops[0].name
+        with self.assertRaisesRegex(ValueError, "every op"):
+            self.run_search(choices={
+                first: [ParallelConfig((4, 1), (0, 1, 2, 3))]
+            })
+        with self.assertRaisesRegex(ValueError, "not both"):
+            self.run_search(
+                mesh=MeshSpec.first((4,)),
+                choices={op.name: [ParallelConfig((4, 1), (0, 1, 2, 3))]
+                         for op in self.graph},
+            )
+
     def test_budget_zero_keeps_data_parallelism(self):
         result = self.run_search(budget=0)
         self.assertEqual(result.strategy,

@@ -394,3 +394,72 @@ class FamilyPieceTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class ReplicatedMovesTest(unittest.TestCase):
+    """`between_meshes="replicated"`: a move between two meshes as one
+    DTensor function makes it (`copy_to_mesh` copies replicated layouts,
+    or sharded ones one to one), which `bench/one_function_bench.py`
+    prices the several-mesh route by."""
+
+    def setUp(self):
+        self.graph, self.m = grid_chain(), load_machine("v100x4")
+        self.a, self.b = self.graph.ops
+        self.whole = 8 * 100 * FLOAT
+
+    def piece(self, producer, consumer, between_meshes):
+        return taskgraph.edge_piece(self.m, self.a, 0, producer, self.b, 1,
+                                    consumer, 0, between_meshes)
+
+    def test_two_views_of_the_same_devices_gather_the_whole_tensor(self):
+        # Rows over the 1-D mesh 0..3; rows and columns over a 2 x 2 view
+        # of the same devices: no one mesh holds both.
+        rows = ParallelConfig((4, 1), (0, 1, 2, 3))
+        grid = ParallelConfig((2, 2), (0, 1, 2, 3))
+        regions = self.piece(rows, grid, "regions")
+        gathered = self.piece(rows, grid, "replicated")
+        # Each device receives the 3 quarters it does not hold, each way
+        # (its gradient back alike: every consumer part's region, a
+        # quarter here), as one collective per direction.
+        self.assertEqual(gathered.comm_bytes, 2 * 4 * 3 * self.whole / 4)
+        self.assertEqual(sorted(label[0] for label in gathered.labels),
+                         [taskgraph.XFER_FWD, taskgraph.XFER_BWD])
+        # The regions met: a part reads an eighth, half of it elsewhere.
+        self.assertLess(regions.comm_bytes, gathered.comm_bytes / 4)
+
+    def test_other_devices_receive_every_part(self):
+        # 2 parts on devices 0, 1 to 4 parts on 0..3 in another order.
+        piece = self.piece(ParallelConfig((2, 1), (0, 1)),
+                           ParallelConfig((1, 4), (0, 2, 1, 3)),
+                           "replicated")
+        half = self.whole / 2
+        kinds = [label[0] for label in piece.labels]
+        # Parts on devices 2 and 3 receive both halves, those on 0 and 1
+        # the half their device does not hold; each gradient goes back.
+        self.assertEqual(kinds.count(taskgraph.XFER_FWD), 6)
+        self.assertEqual(kinds.count(taskgraph.XFER_BWD), 6)
+        self.assertEqual(sorted(piece.memory_bytes),
+                         [(0, half), (1, half), (2, half), (2, half),
+                          (3, half), (3, half)])
+
+    def test_moves_one_mesh_holds_or_copies_one_to_one_are_unchanged(self):
+        cases = [
+            # Relaid on one mesh (`one_mesh`).
+            (ParallelConfig((4, 1), (0, 1, 2, 3)),
+             ParallelConfig((1, 4), (0, 1, 2, 3))),
+            # Two blocks of one 2 x 2 mesh (`share_a_mesh`).
+            (ParallelConfig((2, 1), (0, 1)), ParallelConfig((1, 2), (0, 2))),
+            # The same split on other devices: copied one to one.
+            (ParallelConfig((2, 1), (0, 1)), ParallelConfig((2, 1), (2, 3))),
+        ]
+        for producer, consumer in cases:
+            with self.subTest(producer=producer, consumer=consumer):
+                self.assertEqual(
+                    self.piece(producer, consumer, "replicated"),
+                    self.piece(producer, consumer, "regions"),
+                )
+
+    def test_unknown_pricing_is_refused(self):
+        config = ParallelConfig((4, 1), (0, 1, 2, 3))
+        with self.assertRaisesRegex(ValueError, "between_meshes"):
+            self.piece(config, config, "all-to-all")
