@@ -183,6 +183,7 @@ def make_plan(
         (print_fn or print)(report.imported_report(
             settings.import_strategy, plan.strategy, step_ms,
             sim.simulate(baseline).step_ms,
+            report.batch_split(graph.batch_size, baseline, num_devices),
         ))
     return dataclasses.replace(
         _exported(plan, settings),

@@ -73,18 +73,30 @@ def _against_data_parallel(
             f"data parallelism: {speedup:.2f}x")
 
 
+def batch_split(
+    batch_size: int, data_parallel: Strategy, num_devices: int
+) -> tuple[int, int, int]:
+    """(batch, parts, devices) of a data-parallel baseline: how many ways
+    its ops split the batch (the most any op does) over how many devices,
+    for `_against_data_parallel`'s words."""
+    parts = max((c.dims[0] for c in data_parallel.values()), default=1)
+    return batch_size, parts, num_devices
+
+
 def imported_report(
-    path: str, strategy: Strategy, step_ms: float, data_parallel_ms: float
+    path: str, strategy: Strategy, step_ms: float, data_parallel_ms: float,
+    batch_split: tuple[int, int, int] | None = None,
 ) -> str:
     """What a plan from `--import-strategy` says in place of the search's
     report (it searched nothing): the strategy, where it came from, and
-    its simulated step time against data parallelism's."""
+    its simulated step time against data parallelism's (`batch_split`
+    as `search_report`'s)."""
     if math.isinf(step_ms):
         summary = ("Its simulated step does not fit in device memory; it "
                    "is used as imported.")
     else:
         summary = _against_data_parallel(
-            "Simulated step time", step_ms, data_parallel_ms)
+            "Simulated step time", step_ms, data_parallel_ms, batch_split)
         summary = summary.rstrip(".") + "."
     return "\n".join([
         "=========== Imported Strategy ==========",

@@ -63,7 +63,7 @@ from flexflow_keras.graph import OpGraph
 from flexflow_keras.mesh_space import (
     MeshSpec, mesh_configs, mesh_data_parallel, mesh_shapes,
 )
-from flexflow_keras.report import search_report
+from flexflow_keras.report import batch_split, search_report
 from flexflow_keras.schedule import no_gc
 from flexflow_keras.search_space import (
     random_config, sweep_configs, tie_shared, twin_groups, weight_ties,
@@ -351,10 +351,8 @@ def search(
         seed=seed,
         one_device_ms=one_device_ms,
         # As the baseline split it (`data_parallel_config`'s rule).
-        batch_split=(graph.batch_size,
-                     max((c.dims[0] for c in data_parallel.values()),
-                         default=1),
-                     num_devices),
+        batch_split=batch_split(graph.batch_size, data_parallel,
+                                num_devices),
     )
     if progress is not None:
         progress(chain.iterations, chain.best_ms, data_parallel_ms, True)

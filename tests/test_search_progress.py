@@ -101,8 +101,29 @@ class SearchProgressTest(unittest.TestCase):
         self.assertIn(f"Strategy imported from {path} (no search). "
                       f"Simulated step time: {plan.step_ms:.3f} ms", text)
         self.assertIn("simulated speed-up over data parallelism", text)
+        self.assertNotIn("where a batch", text)  # 64 splits 4 ways
         self.assertNotIn("Best Discovered Strategy", text)
         self.assertEqual(quiet, "")
+
+    def test_an_imported_strategy_says_when_the_batch_cannot_split(self):
+        # A batch of 2 on 4 devices: data parallelism splits it 2 ways
+        # and other dims take the rest, as the search's report says.
+        def planned(**options):
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                plan = planner.make_plan(_mlp(), 2, Settings(
+                    search_budget=0, machine="v100x4", search_verbose=1,
+                    **options))
+            return plan, out.getvalue()
+
+        baseline, _ = planned()
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "mlp.txt")
+            save_strategy(baseline.strategy, path)
+            _, text = planned(import_strategy=path)
+        self.assertIn(", where a batch of 2 splits 2 ways over 4 devices "
+                      "and other dims take the rest); simulated speed-up",
+                      text)
 
     def test_setting(self):
         self.assertEqual(Settings().search_verbose, 1)
