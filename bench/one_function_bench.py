@@ -42,7 +42,6 @@ mesh of other devices, moves between two different splits are priced
 as between meshes (a gather either way).
 """
 
-import argparse
 import os
 import sys
 import time
@@ -62,9 +61,6 @@ from flexflow_keras.mesh_space import (  # noqa: E402
 )
 from flexflow_keras.optimizer_slots import optimizer_slots  # noqa: E402
 from flexflow_keras.settings import Settings  # noqa: E402
-
-DEFAULT_MODELS = own_step_bench.DEFAULT_MODELS
-
 
 def mesh_family(size: int, num_devices: int) -> list[MeshSpec]:
     """Every mesh of `size` devices that DTensor could run beside the
@@ -129,12 +125,7 @@ def run_case(name: str, budget: int, seed: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--budget", type=int, default=1000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
-    args = parser.parse_args(argv)
-    print(f"budget {args.budget}, seed {args.seed}; simulated ms per step")
+    args = own_step_bench.parsed_arguments(__doc__.split("\n")[0], argv)
     print("| model | machine | data parallel | plain plan | plain plan as "
           "one function | own-step plan (one mesh) | best on meshes of one "
           "size as one function (size) | own / plain | several / plain "

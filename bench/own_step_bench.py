@@ -104,13 +104,20 @@ def run_case(name: str, budget: int, seed: int) -> dict:
     return row
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parsed_arguments(description: str, argv=None) -> argparse.Namespace:
+    """`--budget`, `--seed` and `--models` (this bench's and
+    `one_function_bench.py`'s), the budget and seed printed."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--budget", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
     args = parser.parse_args(argv)
     print(f"budget {args.budget}, seed {args.seed}; simulated ms per step")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parsed_arguments(__doc__.split("\n")[0], argv)
     print("| model | machine | data parallel | plain plan | L2 plan (mesh) "
           "| train_step plan (mesh) | L2 / plain | train_step / plain "
           "| search s (plain, L2, train_step) |")

@@ -177,33 +177,25 @@ def edge_piece(
     itemsize = np.dtype(producer.dtype).itemsize
     n_p, n_c = producer_config.num_parts, consumer_config.num_parts
     relaid = one_mesh(producer_config, consumer_config)
+    output = producer.outputs.index(tensor)
     if (between_meshes == "replicated" and not relaid
             and producer_config.dims != consumer_config.dims
             and not share_a_mesh(producer_config, consumer_config,
                                  machine.num_devices)):
         pairs = replicated_pairs(
-            producer, producer.outputs.index(tensor), producer_config.dims,
+            producer, output, producer_config.dims,
             consumer, input_index, consumer_config.dims,
         )
-        if producer_config.device_ids != consumer_config.device_ids:
-            return _region_transfers(
-                machine, pairs, (producer_index, producer_config),
-                (consumer_index, consumer_config, input_index),
-                (consumer.name, tensor), itemsize,
-            )
         # Two views of the same devices, part k of each on device k: the
-        # gather to replicated is one collective (`_relayouts`).
-        _relayouts(b, machine, pairs.tolist(), (producer_index, n_p),
-                   (consumer_index, n_c), consumer_config.device_ids,
-                   (priority(consumer_index, XFER_FWD, input_index << 12),
-                    priority(consumer_index, XFER_BWD, input_index << 12)),
-                   (consumer.name, tensor), itemsize)
-        return b.piece()
-    pairs = overlap_array(
-        producer, producer.outputs.index(tensor), producer_config.dims,
-        consumer, input_index, consumer_config.dims, relaid,
-    )
-    if relaid:
+        # gather to replicated is one collective, as a relayout's.
+        collective = producer_config.device_ids == consumer_config.device_ids
+    else:
+        pairs = overlap_array(
+            producer, output, producer_config.dims,
+            consumer, input_index, consumer_config.dims, relaid,
+        )
+        collective = relaid
+    if collective:
         _relayouts(b, machine, pairs.tolist(), (producer_index, n_p),
                    (consumer_index, n_c), consumer_config.device_ids,
                    (priority(consumer_index, XFER_FWD, input_index << 12),
