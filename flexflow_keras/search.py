@@ -449,10 +449,25 @@ def search_meshes(
         progress(result.iterations, result.best_ms,
                  result.data_parallel_ms, True)
     if verbose:
-        out(f"Mesh {mesh.shape} over devices 0..{mesh.size - 1} "
+        # The mesh the strategy runs on (`MeshSpec.of`, as the runtime and
+        # the simulator read it): the shape searched on may hold it as
+        # one block, its copies never run (keras.io's PixelCNN, searched
+        # on 2 x 2 with every op on devices 0, 1, runs on the 1-D mesh of
+        # those two; the report named the 2 x 2 mesh).
+        runs_on = MeshSpec.of(result.strategy, num_devices) or mesh
+        out(f"Mesh {runs_on.shape} over {_devices_text(runs_on.devices)} "
             f"(of {len(meshes)} shapes weighed)")
         out(search_report(result))
     return result
+
+
+def _devices_text(devices: tuple[int, ...]) -> str:
+    """"devices 0..3" for a run from 0, else "devices 2, 3"."""
+    if len(devices) > 1 and devices == tuple(range(len(devices))):
+        return f"devices 0..{len(devices) - 1}"
+    if len(devices) == 1:
+        return f"device {devices[0]}"
+    return "devices " + ", ".join(map(str, devices))
 
 
 @dataclasses.dataclass

@@ -173,6 +173,54 @@ class SearchMeshesTest(unittest.TestCase):
         self.assertAlmostEqual(result.best_ms,
                                sim.simulate(result.strategy).step_ms)
 
+    def test_report_names_the_mesh_the_strategy_runs_on(self):
+        """Searched on 2 x 2 with every op on the block of devices 0, 1,
+        the strategy runs on the 1-D mesh of those two (`MeshSpec.of`),
+        and the report says so, not the 2 x 2 it was searched on."""
+        from flexflow_keras import search
+
+        class OnTwo:
+            """Fastest with every op split over devices 0, 1."""
+
+            def cost(self, strategy):
+                ms = sum(abs(len(c.device_ids) - 2)
+                         + (0 if c.device_ids == (0, 1) else 0.5)
+                         for c in strategy.values())
+                return type("R", (), {"step_ms": ms, "feasible": True})()
+
+            simulate = cost
+
+            def start(self, strategy):
+                self.current = strategy
+                return self.cost(strategy)
+
+            def propose(self, name, config):
+                self.pending = self.current.replace(name, config)
+                return self.cost(self.pending)
+
+            def propose_many(self, changes):
+                pending = self.current
+                for name, config in changes.items():
+                    pending = pending.replace(name, config)
+                self.pending = pending
+                return self.cost(pending)
+
+            def accept(self):
+                self.current = self.pending
+
+        graph = hand_graph(batch=8)
+        lines = []
+        result = search.search_meshes(
+            graph, OnTwo(), 4, budget=200, seed=0, verbose=1,
+            meshes=(MeshSpec.first((2, 2)),), print_fn=lines.append,
+        )
+        self.assertTrue(all(c.device_ids == (0, 1)
+                            for c in result.strategy.values()))
+        self.assertEqual(MeshSpec.of(result.strategy, 4),
+                         MeshSpec((2,), (0, 1)))
+        self.assertEqual(lines[0],
+                         "Mesh (2,) over devices 0..1 (of 1 shapes weighed)")
+
 
 class ShareAMeshTest(unittest.TestCase):
     """`share_a_mesh`: whether one DTensor mesh holds two configs, so a
