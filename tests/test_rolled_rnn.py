@@ -248,6 +248,59 @@ class LoopWidthTest(unittest.TestCase):
             self.assertEqual(len(set(run)), len(run), widths)
 
 
+class LaterNameClashTest(unittest.TestCase):
+    def test_a_later_call_refused_for_a_name_is_made_again(self):
+        """DTensor expands a function again when its cache misses it
+        (keras.io's IMDB LSTM: the last partial batch's backward, in the
+        second epoch), and that expansion can be refused for a loop
+        function's name as a first one can. The function is made again
+        and the call redone, as on a first call; before, the refusal
+        reached the step, which unrolled every loop and traced every
+        function again (7-24 s each there)."""
+        saved = list(rolled_rnn._SPARE_CARRIES)
+        self.addCleanup(rolled_rnn._SPARE_CARRIES.__setitem__, 0, saved[0])
+        made, calls = [], []
+
+        def make():
+            made.append(len(made))
+            version = made[-1]
+
+            def function(x):
+                calls.append((version, x))
+                if version == 0 and len(calls) == 2:
+                    raise tf.errors.InvalidArgumentError(
+                        None, None, "Cannot add function "
+                        "'rnn_loop_grad_9198_cond' because a different "
+                        "function with the same name already exists. "
+                        "[Op:__inference_backward_8193]")
+                return x + version
+
+            return function
+
+        redone = rolled_rnn.RedoneOnNameClash(make)
+        self.assertEqual(redone(1), 1)  # the first call runs
+        self.assertEqual(redone(2), 3)  # refused, made again, redone
+        self.assertEqual(redone(3), 4)  # the new function from then on
+        self.assertEqual(redone.redos, 1)
+        self.assertEqual(calls, [(0, 1), (0, 2), (1, 2), (1, 3)])
+
+    def test_other_errors_of_a_later_call_are_raised(self):
+        def make():
+            def function(x):
+                if x:
+                    raise tf.errors.InvalidArgumentError(
+                        None, None, "Incompatible shapes")
+                return x
+            return function
+
+        redone = rolled_rnn.RedoneOnNameClash(make)
+        redone(0)
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                    "Incompatible shapes"):
+            redone(1)
+        self.assertEqual(redone.redos, 0)
+
+
 @pytest.mark.slow  # `tests/test_tracing.py` checks the option, fast
 class IMDBSizeTest(unittest.TestCase):
     def test_imdb_size_data_parallel_over_two(self):

@@ -107,9 +107,9 @@ def name_clash(error: Exception) -> bool:
 
 class RedoneOnNameClash:
     """`make()`'s function (`function`), made again and called again
-    while DTensor refuses its first call for a loop function's name
-    (`name_clash`), at most `MAX_NAME_CLASHES` times: the refusal comes
-    before anything runs. Each redo's loops carry one counter more
+    while DTensor refuses a call for a loop function's name
+    (`name_clash`), at most `MAX_NAME_CLASHES` times a call: the refusal
+    comes before anything runs. Each redo's loops carry one counter more
     (`vary`): redone unchanged, a loop tends to land where it was and be
     refused under the same name again.
 
@@ -137,8 +137,14 @@ class RedoneOnNameClash:
                     # could surface at a later op, past this reach.
                     context.async_wait()
             except tf.errors.InvalidArgumentError as error:
-                if (self._ran or not name_clash(error)
-                        or attempt == MAX_NAME_CLASHES):
+                # Later calls too: DTensor expands a function again when
+                # its cache misses it, and that expansion can be refused
+                # the same way (keras.io's IMDB LSTM: the last partial
+                # batch's backward of epoch 1, expanded again in epoch 2,
+                # refused for 'rnn_loop_grad_9198_cond'; redone only at
+                # the step level, by unrolling every loop, each later
+                # trace took 7-24 s). Nothing ran then either.
+                if not name_clash(error) or attempt == MAX_NAME_CLASHES:
                     raise
                 context.async_clear_error()
                 vary()
