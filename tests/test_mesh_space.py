@@ -179,39 +179,21 @@ class SearchMeshesTest(unittest.TestCase):
         and the report says so, not the 2 x 2 it was searched on."""
         from flexflow_keras import search
 
-        class OnTwo:
+        from test_search import FakeResult, FakeSimulator
+
+        class OnTwo(FakeSimulator):
             """Fastest with every op split over devices 0, 1."""
 
             def cost(self, strategy):
-                ms = sum(abs(len(c.device_ids) - 2)
-                         + (0 if c.device_ids == (0, 1) else 0.5)
-                         for c in strategy.values())
-                return type("R", (), {"step_ms": ms, "feasible": True})()
-
-            simulate = cost
-
-            def start(self, strategy):
-                self.current = strategy
-                return self.cost(strategy)
-
-            def propose(self, name, config):
-                self.pending = self.current.replace(name, config)
-                return self.cost(self.pending)
-
-            def propose_many(self, changes):
-                pending = self.current
-                for name, config in changes.items():
-                    pending = pending.replace(name, config)
-                self.pending = pending
-                return self.cost(pending)
-
-            def accept(self):
-                self.current = self.pending
+                return FakeResult(sum(
+                    abs(len(c.device_ids) - 2)
+                    + (0 if c.device_ids == (0, 1) else 0.5)
+                    for c in strategy.values()))
 
         graph = hand_graph(batch=8)
         lines = []
         result = search.search_meshes(
-            graph, OnTwo(), 4, budget=200, seed=0, verbose=1,
+            graph, OnTwo(graph), 4, budget=200, seed=0, verbose=1,
             meshes=(MeshSpec.first((2, 2)),), print_fn=lines.append,
         )
         self.assertTrue(all(c.device_ids == (0, 1)
