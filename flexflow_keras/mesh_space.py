@@ -169,20 +169,11 @@ def axes_on(config: ParallelConfig, mesh: MeshSpec) -> dict[int, int] | None:
 def share_a_mesh(
     a: ParallelConfig, b: ParallelConfig, num_devices: int
 ) -> bool:
-    """Whether some mesh of devices `0..k-1` (k up to `num_devices`, any
-    shape of `mesh_shapes`) holds both configs as blocks (`axes_on`):
-    then one DTensor mesh carries both, and a value moves between them
-    by a relayout on it, not between meshes."""
-    used = 1 + max(max(a.device_ids), max(b.device_ids))
-    for k in range(used, num_devices + 1):
-        if num_devices % k:
-            continue
-        for shape in mesh_shapes(k, max(MAX_AXES, 1)):
-            mesh = MeshSpec.first(shape)
-            if (axes_on(a, mesh) is not None
-                    and axes_on(b, mesh) is not None):
-                return True
-    return False
+    """Whether one mesh holds both configs as blocks, found as the
+    runtime finds a strategy's (`MeshSpec.of`): then one DTensor mesh
+    carries both, and a value moves between them by a relayout on it,
+    not between meshes. Cached: the simulator asks per edge piece."""
+    return MeshSpec.of({"a": a, "b": b}, num_devices) is not None
 
 
 def block_config(

@@ -95,12 +95,7 @@ class Simulator:
         optimizer_slots: int = 0,
         between_meshes: str = "regions",
     ):
-        if between_meshes not in taskgraph.BETWEEN_MESHES:
-            raise ValueError(
-                "`between_meshes` must be one of "
-                f"{taskgraph.BETWEEN_MESHES}. Received: "
-                f"between_meshes={between_meshes!r}"
-            )
+        taskgraph.check_between_meshes(between_meshes)
         if not isinstance(optimizer_slots, int) or optimizer_slots < 0:
             raise ValueError(
                 "`optimizer_slots` must be an int >= 0 (0 for SGD, 1 for "

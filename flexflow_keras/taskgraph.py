@@ -167,11 +167,7 @@ def edge_piece(
     (`replicated_pairs`), for pricing what that route would cost
     (`bench/one_function_bench.py`). Moves that one mesh holds are
     priced as under "regions"."""
-    if between_meshes not in BETWEEN_MESHES:
-        raise ValueError(
-            f"`between_meshes` must be one of {BETWEEN_MESHES}. "
-            f"Received: between_meshes={between_meshes!r}"
-        )
+    check_between_meshes(between_meshes)
     b = _Builder()
     tensor = consumer.inputs[input_index]
     itemsize = np.dtype(producer.dtype).itemsize
@@ -213,6 +209,16 @@ def edge_piece(
 BETWEEN_MESHES = ("regions", "replicated")
 
 
+def check_between_meshes(between_meshes: str) -> None:
+    """Raises a ValueError naming `BETWEEN_MESHES` for any other value
+    (`edge_piece`'s and `Simulator`'s argument)."""
+    if between_meshes not in BETWEEN_MESHES:
+        raise ValueError(
+            f"`between_meshes` must be one of {BETWEEN_MESHES}. "
+            f"Received: between_meshes={between_meshes!r}"
+        )
+
+
 @functools.lru_cache(maxsize=1024)
 def replicated_pairs(
     producer: Op, output: int, producer_dims: tuple[int, ...],
@@ -234,10 +240,9 @@ def replicated_pairs(
         partition.input_region(consumer, input_index, rect)
         for rect in partition.part_rects(consumer.output_shape, consumer_dims)
     ]
-    sizes = [0 if r is None else int(np.prod([hi - lo for lo, hi in r]))
-             for r in held]
+    sizes = [0 if r is None else partition.rect_size(r) for r in held]
     rows = [
-        (i, j, sizes[j], int(np.prod([hi - lo for lo, hi in region])))
+        (i, j, sizes[j], partition.rect_size(region))
         for i, region in enumerate(parts)
         for j in range(len(held)) if sizes[j]
     ]
