@@ -283,6 +283,19 @@ def assert_not_handed_over(test, messages, where=None):
     test.assertEqual([m for m in messages if "plain Keras" in m], [], where)
 
 
+def on_one_mesh(model) -> bool:
+    """Whether `model`'s strategy runs on one DTensor mesh of the devices
+    it was planned for (`search_space.is_one_mesh` over its plan's
+    machine). Counted over the devices the strategy uses instead, the
+    blocks of a 2x2 mesh that leave device 3 idle read as three devices
+    no mesh covers, and a one-mesh plan as several meshes."""
+    from flexflow_keras.search_space import is_one_mesh
+
+    machine = model.plan.machine
+    return is_one_mesh(model.strategy,
+                       machine.num_devices if machine else None)
+
+
 def assert_executor_of_its_strategy(test, model):
     """`model` trains under the executor its strategy asks for: its own
     step on the strategy's one mesh (`ModelStepExecutor`), or, for a
@@ -291,10 +304,8 @@ def assert_executor_of_its_strategy(test, model):
     two a search gives depends on the costs the machine measures."""
     from flexflow_keras import runtime
     from flexflow_keras.runtime import model_step, step
-    from flexflow_keras.search_space import is_one_mesh
-
     if (isinstance(model.strategy_executor, step.Executor)
-            and not is_one_mesh(model.strategy)
+            and not on_one_mesh(model)
             and not runtime.own_step_reasons(model)):
         return
     test.assertIsInstance(model.strategy_executor,

@@ -32,7 +32,7 @@ from flexflow_keras.strategy import (
     ParallelConfig, Strategy, data_parallel_config, largest_divisor,
 )
 from hand_graphs import hand_graph
-from runtime_support import relative_error
+from runtime_support import on_one_mesh, relative_error
 
 NUM_DEVICES = 4
 EPOCHS = 2
@@ -174,7 +174,7 @@ class PlanningRuleTest(unittest.TestCase):
                 self.assertLess(result.data_parallel_ms, float("inf"))
                 if parts is not None:
                     self.assertTrue(
-                        search_space.is_one_mesh(result.strategy)
+                        search_space.is_one_mesh(result.strategy, 4)
                     )
 
     def test_strategy_file_fills_missing_ops_for_any_batch(self):
@@ -316,7 +316,7 @@ class BatchSizeTrainingTest(unittest.TestCase):
         ours = train_both(self, "regularized", 50, 100)
         self.assertIsInstance(ours.strategy_executor,
                               model_step.ModelStepExecutor)
-        self.assertTrue(search_space.is_one_mesh(ours.strategy))
+        self.assertTrue(on_one_mesh(ours), ours.strategy)
         self._cases("regularized")
 
     def test_uneven_data_parallelism_runs_on_one_2d_mesh(self):
@@ -334,7 +334,7 @@ class BatchSizeTrainingTest(unittest.TestCase):
                         for op in ours.plan.graph}
                 self.assertEqual(dims["Conv1D"], (2, 1, 1))
                 self.assertEqual(dims["Dense"], (2, 2))
-                self.assertTrue(search_space.is_one_mesh(ours.strategy))
+                self.assertTrue(on_one_mesh(ours), ours.strategy)
                 self.assertIsInstance(ours.strategy_executor,
                                       model_step.ModelStepExecutor)
 

@@ -21,7 +21,7 @@ from flexflow_keras import (
 )
 from flexflow_keras.runtime import model_step
 from flexflow_keras.strategy import ParallelConfig, Strategy
-from runtime_support import assert_not_handed_over
+from runtime_support import assert_not_handed_over, on_one_mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -272,7 +272,6 @@ class OwnStepPlanningTest(unittest.TestCase):
 
     def test_search_keeps_one_mesh(self):
         from flexflow_keras.mesh_space import MeshSpec
-        from flexflow_keras.search_space import is_one_mesh
 
         inputs = keras.Input((8,))
         outputs = layers.Dense(
@@ -283,7 +282,7 @@ class OwnStepPlanningTest(unittest.TestCase):
         caught = self.fit_quietly(model, x, y, search_budget=50,
                                   search_seed=1)
         self.assertEqual(caught, [])
-        self.assertTrue(is_one_mesh(model.strategy), model.strategy)
+        self.assertTrue(on_one_mesh(model), model.strategy)
         # One mesh, which the regularized op splits over.
         mesh = MeshSpec.of(model.strategy, 4)
         self.assertGreater(mesh.size, 1, model.strategy)
@@ -291,7 +290,6 @@ class OwnStepPlanningTest(unittest.TestCase):
         self.assertGreater(len(model.strategy["reg"].device_ids), 1)
 
     def test_imported_strategy_over_several_meshes_is_replaced(self):
-        from flexflow_keras.search_space import is_one_mesh
 
         inputs = keras.Input((8,))
         outputs = layers.Dense(
@@ -312,12 +310,11 @@ class OwnStepPlanningTest(unittest.TestCase):
         text = " ".join(caught)
         self.assertIn("places ops on several device meshes", text)
         self.assertIn("layer 'reg' has activity_regularizer", text)
-        self.assertTrue(is_one_mesh(model.strategy))
+        self.assertTrue(on_one_mesh(model), model.strategy)
 
     def test_custom_layers_plan_one_mesh(self):
         # The probe runs them on one mesh with a split batch; between
         # segments of several meshes they are not measured.
-        from flexflow_keras.search_space import is_one_mesh
 
         class Scale(keras.layers.Layer):
             def call(self, x):
@@ -330,7 +327,7 @@ class OwnStepPlanningTest(unittest.TestCase):
         caught = self.fit_quietly(model, x, y, search_budget=50,
                                   search_seed=2)
         self.assertEqual(caught, [])
-        self.assertTrue(is_one_mesh(model.strategy), model.strategy)
+        self.assertTrue(on_one_mesh(model), model.strategy)
 
 
 class PlainKerasFallbackTest(unittest.TestCase):

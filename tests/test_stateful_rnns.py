@@ -24,7 +24,6 @@ import flexflow_keras as fk
 import runtime_support
 from flexflow_keras import runtime
 from flexflow_keras.keras_graph import build_graph
-from flexflow_keras.search_space import is_one_mesh
 from flexflow_keras.strategy_files import save_strategy
 
 BATCH = 16
@@ -100,7 +99,7 @@ class StatefulRecurrentTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as folder:
             runs = self._train_both(os.path.join(folder, "strategy.txt"))
         ours, _, _ = runs["ours"]
-        self.assertTrue(is_one_mesh(ours.strategy))
+        self.assertTrue(runtime_support.on_one_mesh(ours), ours.strategy)
         self.assertEqual(runtime.own_step_reasons(ours), [
             f"layer '{ours.layers[1].name}' is stateful",
             f"layer '{ours.layers[2].name}' is stateful",

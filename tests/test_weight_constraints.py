@@ -15,7 +15,6 @@ import numpy as np
 
 import runtime_support as support
 from flexflow_keras.runtime import model_step, step
-from flexflow_keras.search_space import is_one_mesh
 
 SAMPLES, BATCH = 44, 8  # the last batch is partial
 
@@ -100,12 +99,12 @@ class WeightConstraintTest(unittest.TestCase):
             with self.subTest(optimizer):
                 ours = self._fit(support.several_meshes, step.Executor,
                                  optimizer)
-                self.assertFalse(is_one_mesh(ours.strategy))
+                self.assertFalse(support.on_one_mesh(ours))
 
     def test_split_weights_apply_constraints_as_keras(self):
         ours = self._fit(_split_outputs, model_step.ModelStepExecutor,
                          "adamw")
-        self.assertTrue(is_one_mesh(ours.strategy))
+        self.assertTrue(support.on_one_mesh(ours), ours.strategy)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import numpy as np
 import runtime_support as support
 from flexflow_keras import runtime
 from flexflow_keras.runtime import step
-from flexflow_keras.search_space import is_one_mesh
 
 SAMPLES, BATCH = 44, 8  # the last batch is partial
 
@@ -85,7 +84,7 @@ class WeightPenaltyTest(unittest.TestCase):
         )
         self.assertEqual(caught, [])
         ours = models["ours"]
-        self.assertFalse(is_one_mesh(ours.strategy))
+        self.assertFalse(support.on_one_mesh(ours))
         self.assertIsInstance(ours.strategy_executor, step.Executor)
         # The penalty is in the loss: far above the crossentropy's 1.1.
         self.assertGreater(histories["plain"]["loss"][0], 1.5)
