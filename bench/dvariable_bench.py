@@ -3,8 +3,9 @@
 The runtime makes one `DVariable` per Keras variable a step touches
 (`ModelStepExecutor._realize`). DTensor runs each eager op through its SPMD
 expansion once per distinct signature (op, shapes, layouts) and caches the
-result, so a deep model's start-up pays for each distinct variable shape,
-not for each variable. This prints both figures on a `--devices` CPU mesh:
+result, so a deep model's start-up pays an expansion for each distinct
+variable shape on top of a smaller cost for each variable. This prints both
+figures on a `--devices` CPU mesh:
 `--count` variables of one shape, then `--count` of distinct shapes.
 
 Usage:

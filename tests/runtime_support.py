@@ -304,6 +304,7 @@ def assert_executor_of_its_strategy(test, model):
     two a search gives depends on the costs the machine measures."""
     from flexflow_keras import runtime
     from flexflow_keras.runtime import model_step, step
+
     if (isinstance(model.strategy_executor, step.Executor)
             and not on_one_mesh(model)
             and not runtime.own_step_reasons(model)):

@@ -290,7 +290,6 @@ class OwnStepPlanningTest(unittest.TestCase):
         self.assertGreater(len(model.strategy["reg"].device_ids), 1)
 
     def test_imported_strategy_over_several_meshes_is_replaced(self):
-
         inputs = keras.Input((8,))
         outputs = layers.Dense(
             4, activity_regularizer="l2", name="reg"
@@ -315,7 +314,6 @@ class OwnStepPlanningTest(unittest.TestCase):
     def test_custom_layers_plan_one_mesh(self):
         # The probe runs them on one mesh with a split batch; between
         # segments of several meshes they are not measured.
-
         class Scale(keras.layers.Layer):
             def call(self, x):
                 return 2.0 * x
